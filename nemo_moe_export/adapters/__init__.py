@@ -1,0 +1,59 @@
+"""State-dict adapters: one engine (``engine.py``) and one small table per model family (``tables.py``).
+
+>>> adapter = get_adapter(model.config)          # picked by config.model_type
+>>> shards = adapter.to_hf(model.state_dict())   # {hf_key: HFShard}, views of this rank's shards
+>>> adapter.from_hf(model.state_dict(), "ckpt/") # fills this rank's shards, reading only its slices
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_moe_export.adapters.engine import (
+    HFShard,
+    KeyRule,
+    LoadReport,
+    ModelTable,
+    StateDictAdapter,
+    TensorMeta,
+    expert_rules,
+)
+from nemo_moe_export.adapters.tables import TABLES
+from nemo_moe_export.errors import ExportInputError
+
+__all__ = [
+    "HFShard",
+    "KeyRule",
+    "LoadReport",
+    "ModelTable",
+    "StateDictAdapter",
+    "TensorMeta",
+    "expert_rules",
+    "get_adapter",
+    "get_table",
+    "supported_model_types",
+]
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for table in TABLES for t in table.model_types)
+
+
+def get_table(model_type: str) -> ModelTable:
+    for table in TABLES:
+        if model_type in table.model_types:
+            return table
+    raise ExportInputError(
+        "no state-dict adapter for this model_type",
+        key=str(model_type),
+        expected=f"one of {supported_model_types()}",
+        actual=repr(model_type),
+        hint="add a ModelTable for the family in nemo_moe_export/adapters/tables.py",
+    )
+
+
+def get_adapter(config: Any, model_type: str | None = None) -> StateDictAdapter:
+    """The adapter for a model's HF config (a ``PretrainedConfig`` or a dict)."""
+    if model_type is None:
+        model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return StateDictAdapter(config, get_table(model_type))

@@ -1,0 +1,59 @@
+"""One error type for every bad input this package refuses.
+
+Each message says what is wrong, where (key, rank), what was expected, what was found, and what to
+do, so a user reading one line of a 512-rank log can act on it. Errors are raised before anything is
+changed or written.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ExportInputError", "current_rank"]
+
+
+def current_rank() -> int | None:
+    """Global rank when torch.distributed is up, else None (single process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return None
+
+
+class ExportInputError(ValueError):
+    """Bad input to an adapter, layout helper or export step.
+
+    The structured fields stay available as attributes so callers and tests can check them
+    without parsing the message.
+    """
+
+    def __init__(
+        self,
+        problem: str,
+        *,
+        key: str | None = None,
+        expected: Any = None,
+        actual: Any = None,
+        hint: str | None = None,
+        rank: int | None = None,
+    ) -> None:
+        self.problem = problem
+        self.key = key
+        self.expected = expected
+        self.actual = actual
+        self.hint = hint
+        self.rank = current_rank() if rank is None else rank
+        where = []
+        if key is not None:
+            where.append(f"key '{key}'")
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        message = problem
+        if where:
+            message += f" ({', '.join(where)})"
+        if expected is not None or actual is not None:
+            message += f": expected {expected}, got {actual}"
+        if hint:
+            message += f". {hint}"
+        super().__init__(message)

@@ -1,0 +1,159 @@
+"""Which part of a tensor, and which experts, a rank holds.
+
+Two rules exist in the wild and they must never be confused:
+
+* FSDP2 ``Shard(0)`` and ``distribute_tensor`` split dim 0 like ``torch.chunk`` and pad with empty
+  trailing shards: 5 experts on 4 ranks -> [2, 2, 1, 0], 64 on 24 -> 21 ranks of 3, one of 1, two
+  of 0. :func:`get_sharded_expert_range` labels that layout.
+* Expert parallelism (NeMo AutoModel, Megatron) requires ``n_experts % ep == 0`` and gives each EP
+  rank one contiguous block. :func:`get_ep_expert_range` labels that layout.
+
+A "balanced" split (first ``n % W`` ranks get one extra) is neither; code that assumes it passes
+small tests and fails on real shapes (60 experts on 8 ranks). Both helpers here *describe* a layout
+that already exists; they never choose a placement. For a real tensor prefer
+:func:`local_expert_range` / :func:`local_box`, which read the tensor's own mesh and placements and
+so cannot disagree with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from nemo_moe_export.errors import ExportInputError
+
+__all__ = [
+    "LocalBox",
+    "get_ep_expert_range",
+    "get_sharded_expert_range",
+    "local_box",
+    "local_expert_range",
+]
+
+
+def get_sharded_expert_range(n_experts: int, num_shards: int, shard_index: int) -> tuple[int, int]:
+    """Experts ``[start, end)`` held by shard ``shard_index`` of an FSDP2/DTensor ``Shard(0)`` split.
+
+    Equal to ``torch.chunk`` for every input: leading shards hold ``ceil(n / num_shards)`` experts,
+    then the remainder, then empty shards (``start == end == n_experts``, as DTensor reports them).
+    This labels an existing layout; do not use it to decide where experts should go.
+    """
+    if n_experts < 0 or num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise ExportInputError(
+            "invalid shard arguments",
+            expected="n_experts >= 0, num_shards >= 1, 0 <= shard_index < num_shards",
+            actual=f"n_experts={n_experts}, num_shards={num_shards}, shard_index={shard_index}",
+        )
+    chunk = -(-n_experts // num_shards)  # ceil division, as torch.chunk does
+    start = min(shard_index * chunk, n_experts)
+    end = min(start + chunk, n_experts)
+    return start, end
+
+
+def get_ep_expert_range(n_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """Experts ``[start, end)`` owned by expert-parallel rank ``ep_rank``: one contiguous block each.
+
+    Expert parallelism in Megatron and NeMo AutoModel requires ``n_experts % ep_size == 0``; this
+    helper asserts it rather than inventing a layout no framework uses. It labels an existing
+    layout; it never chooses one.
+    """
+    if ep_size < 1 or not 0 <= ep_rank < ep_size:
+        raise ExportInputError(
+            "invalid expert-parallel arguments",
+            expected="ep_size >= 1 and 0 <= ep_rank < ep_size",
+            actual=f"ep_size={ep_size}, ep_rank={ep_rank}",
+        )
+    if n_experts % ep_size:
+        raise ExportInputError(
+            "expert parallelism needs the expert count to divide by the EP size",
+            expected=f"n_experts % ep_size == 0 (ep_size={ep_size})",
+            actual=f"n_experts={n_experts}",
+            hint="choose an EP size that divides the expert count, or shard experts with FSDP instead",
+        )
+    per_rank = n_experts // ep_size
+    return ep_rank * per_rank, (ep_rank + 1) * per_rank
+
+
+@dataclass(frozen=True)
+class LocalBox:
+    """This rank's part of one tensor, as a box in the global tensor.
+
+    ``local`` is the rank's own tensor (never a copy); it spans ``offsets[d] : offsets[d] +
+    local.shape[d]`` of every dim ``d`` of a tensor of ``global_shape``. ``primary`` is True on
+    exactly one of the ranks that hold the same box (replicas under HSDP, or plain tensors held by
+    every rank), so a writer that writes only primaries writes every byte once.
+    """
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local: torch.Tensor
+    primary: bool
+
+    @property
+    def is_empty(self) -> bool:
+        return self.local.numel() == 0
+
+
+def local_box(tensor: torch.Tensor, *, key: str = "?", plain_is_primary: bool = True) -> LocalBox:
+    """Read the box a rank holds straight from a DTensor's mesh and placements.
+
+    A plain tensor is taken as the whole tensor; ``plain_is_primary`` says whether this rank is the
+    one that should write it (plain tensors such as FSDP2 buffers sit on every rank).
+    """
+    if not isinstance(tensor, DTensor):
+        return LocalBox(tuple(tensor.shape), (0,) * tensor.dim(), tensor, plain_is_primary)
+
+    mesh, placements = tensor.device_mesh, tensor.placements
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ExportInputError(
+            "this rank is not part of the tensor's device mesh",
+            key=key,
+            expected=f"a rank in {mesh.mesh.flatten().tolist()}",
+            actual="a rank outside it",
+            hint="call the adapter only on ranks of the mesh the model was sharded over",
+        )
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Partial):
+            raise ExportInputError(
+                "partial (pending-reduction) tensors cannot be converted",
+                key=key,
+                expected="Shard or Replicate placements",
+                actual=f"{placement} on mesh dim {dim}",
+                hint="reduce the tensor (full_tensor() or redistribute to Replicate) first",
+            )
+    local = tensor.to_local()
+    local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    if tuple(local.shape) != tuple(local_shape):
+        raise ExportInputError(
+            "local shard shape disagrees with the DTensor's placements",
+            key=key,
+            expected=f"{tuple(local_shape)} at offset {tuple(offsets)} for {placements}",
+            actual=tuple(local.shape),
+            hint="the tensor was likely built with a padded or balanced split; rebuild it with "
+            "distribute_tensor/fully_shard or DTensor.from_local(..., shape=, stride=)",
+        )
+    # Replicas of a box differ only in their coordinate on Replicate mesh dims; the one at
+    # coordinate 0 on all of them writes.
+    primary = all(
+        coordinate[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
+    )
+    return LocalBox(tuple(tensor.shape), tuple(offsets), local, primary)
+
+
+def local_expert_range(expert_param: torch.Tensor, *, key: str = "?") -> tuple[int, int]:
+    """Global experts ``[start, end)`` whose data this rank holds in a stacked expert tensor.
+
+    Dim 0 indexes experts. The answer comes from the tensor's own placements, so it covers 1-D
+    FSDP ``Shard(0)``, HSDP ``(Replicate, Shard(0))``, EP ``Shard(0)`` on an ``ep`` axis and EP
+    with ``Shard(1)`` on an inner FSDP axis (the rank then holds some rows of each of its experts).
+    An empty shard returns ``(n, n)``.
+    """
+    box = local_box(expert_param, key=key)
+    if not box.global_shape:
+        raise ExportInputError("expert tensor has no expert dim", key=key, expected="dim >= 1", actual=0)
+    start = box.offsets[0]
+    return start, start + box.local.shape[0]
