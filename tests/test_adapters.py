@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from nemo_moe_export.adapters import get_adapter, supported_model_types
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.tiny_models import tiny_model
+from layouts import to_grouped_layout
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +60,7 @@ def test_tied_embeddings_are_written_once(tmp_path):
 def test_grouped_layout_round_trips_through_hf_dict(deepseek):
     model, path = deepseek
     ref = load_file(os.path.join(path, "model.safetensors"))
-    grouped = {}
-    for k, v in model.state_dict().items():
-        if k.endswith("experts.gate_up_proj"):
-            k, v = k.replace("gate_up_proj", "gate_and_up_projs"), v.transpose(1, 2).contiguous()
-        elif k.endswith("experts.down_proj"):
-            k, v = k.replace("down_proj", "down_projs"), v.transpose(1, 2).contiguous()
-        grouped[k] = v.detach().clone()
+    grouped = {k: v.clone() for k, v in to_grouped_layout(model.state_dict()).items()}
     adapter = get_adapter(model.config)
     pieces = adapter.to_hf(grouped)
     assert set(pieces) == set(ref)

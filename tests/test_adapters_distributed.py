@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from layouts import to_grouped_layout
 from nemo_moe_export.spawn import spawn
 
 
@@ -46,19 +47,6 @@ CASES_4 = [
     Case("kimi_linear", 6, "ep_fsdp", "grouped"),
 ]
 CASES_8 = [Case("deepseek_v3", 60, "fsdp")]
-
-
-def _grouped(sd):
-    """NeMo AutoModel grouped layout from transformers' fused one (REFERENCE.md section 2)."""
-    out = {}
-    for k, v in sd.items():
-        if k.endswith("experts.gate_up_proj"):
-            out[k.replace("gate_up_proj", "gate_and_up_projs")] = v.transpose(1, 2).contiguous()
-        elif k.endswith("experts.down_proj"):
-            out[k.replace("down_proj", "down_projs")] = v.transpose(1, 2).contiguous()
-        else:
-            out[k] = v
-    return out
 
 
 def _sharded_state_dict(case, seed, world):
@@ -91,7 +79,7 @@ def _sharded_state_dict(case, seed, world):
         placements = [Shard(0), Shard(1)]
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     if case.layout == "grouped":
-        sd = _grouped(sd)
+        sd = to_grouped_layout(sd)
     return model, {
         k: distribute_tensor(v, mesh, placements) if ".experts." in k else v for k, v in sd.items()
     }

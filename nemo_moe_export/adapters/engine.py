@@ -21,6 +21,7 @@ error before anything is touched.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import defaultdict
@@ -247,10 +248,13 @@ class SafetensorsSource:
         return TensorMeta(tuple(sl.get_shape()), _SAFETENSORS_DTYPES[dtype])
 
     def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        sl = self._handle(self._files[key]).get_slice(key)
-        out = sl[_box_slices(offsets, shape)] if shape else sl[:]
+        handle = self._handle(self._files[key])
+        out = handle.get_slice(key)[_box_slices(offsets, shape)] if shape else handle.get_tensor(key)
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+    def read_whole(self, key: str) -> torch.Tensor:
+        return self._handle(self._files[key]).get_tensor(key)
 
     def close(self) -> None:
         self._stack.close()
@@ -272,7 +276,7 @@ class TensorDictSource:
         return TensorMeta(tuple(t.shape), t.dtype)
 
     def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        out = self._tensors[key][_box_slices(offsets, shape)]
+        out = self._tensors[key][_box_slices(offsets, shape)] if shape else self._tensors[key]
         self.bytes_read += out.numel() * out.element_size()
         return out
 
@@ -436,7 +440,7 @@ class StateDictAdapter:
         for key, tensor, rule, m in self._entries(state_dict):
             box = local_box(tensor, key=key, plain_is_primary=plain_primary)
             if rule is None:
-                if not box.is_empty or (box.primary and _numel(box.global_shape) == 0):
+                if not box.is_empty or (box.primary and math.prod(box.global_shape) == 0):
                     yield HFShard(key, box.global_shape, box.offsets, box.local, box.primary, key)
                 continue
             yield from _rule_pieces(key, rule, m, box)
@@ -535,13 +539,6 @@ def _cfg_get(config: Any, name: str, default: Any) -> Any:
     if isinstance(config, Mapping):
         return config.get(name, default)
     return getattr(config, name, default)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _preview(keys: list[str], limit: int = 6) -> str:

@@ -1,0 +1,3 @@
+from nemo_moe_export.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,465 @@
+"""Load MMLU questions exactly as published, from the layouts people actually have on disk.
+
+Supported layouts (detected from the directory given to :func:`load_mmlu`):
+
+* The original hendrycks/test CSVs: ``{dev,val,test}/{subject}_{split}.csv`` (optionally under a
+  ``data/`` child), no header, columns ``question,A,B,C,D,answer-letter``. They are read with
+  Python's :mod:`csv` module and every field is kept as the exact string in the file: pandas would
+  turn "None"/"NA" into NaN, "0.50" into 0.5 and "007" into 7 and so change the prompt.
+* JSONL, one object per line with ``question``, ``subject``, ``choices`` (4 strings) and ``answer``
+  (0-3 or "A"-"D"): ``{split}.jsonl`` files or ``{split}/*.jsonl``.
+* A ``cais/mmlu`` snapshot: ``{subject}/{split}-*.parquet`` or ``all/{split}-*.parquet``. Needs
+  ``pyarrow``; per-subject folders are preferred because that is what lm-eval loads.
+* A ``datasets`` ``save_to_disk`` folder (``dataset_dict.json`` + ``{split}/*.arrow``), read with
+  ``pyarrow`` directly so ``datasets`` itself is not needed.
+
+Split names follow ``cais/mmlu``: ``dev`` (few-shot pool), ``validation`` (``val`` is accepted as an
+alias) and ``test``. ``Question.index`` is the 0-based position of a question within its
+(subject, split), in file order: the few-shot examples are "the first k of the dev split", so this
+order is part of the benchmark definition.
+
+Every malformed input raises :class:`~nemo_moe_export.errors.ExportInputError` naming the file,
+the line or row, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nemo_moe_export.errors import ExportInputError
+
+__all__ = [
+    "CATEGORIES",
+    "LETTERS",
+    "SPLITS",
+    "SUBJECT_CATEGORIES",
+    "Question",
+    "category_of",
+    "group_by_subject",
+    "load_mmlu",
+    "normalize_split",
+    "require_dev_examples",
+]
+
+LETTERS: tuple[str, str, str, str] = ("A", "B", "C", "D")
+SPLITS: tuple[str, ...] = ("dev", "validation", "test")
+_SPLIT_ALIASES = {"dev": "dev", "val": "validation", "validation": "validation", "test": "test"}
+# File/folder names each canonical split may appear under, in the order they are looked for.
+_SPLIT_FILE_NAMES = {"dev": ("dev",), "validation": ("val", "validation"), "test": ("test",)}
+
+CATEGORIES: tuple[str, ...] = ("stem", "humanities", "social_sciences", "other")
+
+# lm-eval's grouping (lm_eval/tasks/mmlu/default/mmlu_*.yaml "tag": mmlu_{category}_tasks, v0.4.13);
+# identical to REFERENCE.md section 5. 19 + 13 + 12 + 13 = 57 subjects.
+_CATEGORY_SUBJECTS: dict[str, tuple[str, ...]] = {
+    "stem": (
+        "abstract_algebra", "anatomy", "astronomy", "college_biology", "college_chemistry",
+        "college_computer_science", "college_mathematics", "college_physics", "computer_security",
+        "conceptual_physics", "electrical_engineering", "elementary_mathematics",
+        "high_school_biology", "high_school_chemistry", "high_school_computer_science",
+        "high_school_mathematics", "high_school_physics", "high_school_statistics",
+        "machine_learning",
+    ),
+    "humanities": (
+        "formal_logic", "high_school_european_history", "high_school_us_history",
+        "high_school_world_history", "international_law", "jurisprudence", "logical_fallacies",
+        "moral_disputes", "moral_scenarios", "philosophy", "prehistory", "professional_law",
+        "world_religions",
+    ),
+    "social_sciences": (
+        "econometrics", "high_school_geography", "high_school_government_and_politics",
+        "high_school_macroeconomics", "high_school_microeconomics", "high_school_psychology",
+        "human_sexuality", "professional_psychology", "public_relations", "security_studies",
+        "sociology", "us_foreign_policy",
+    ),
+    "other": (
+        "business_ethics", "clinical_knowledge", "college_medicine", "global_facts", "human_aging",
+        "management", "marketing", "medical_genetics", "miscellaneous", "nutrition",
+        "professional_accounting", "professional_medicine", "virology",
+    ),
+}
+
+SUBJECT_CATEGORIES: dict[str, str] = {
+    subject: category for category, subjects in _CATEGORY_SUBJECTS.items() for subject in subjects
+}
+
+
+def category_of(subject: str) -> str:
+    """Category of ``subject``; subjects outside the 57 of MMLU count as ``"other"``.
+
+    Unknown subjects are not an error so that synthetic or extended test sets (a tiny subject a test
+    writes, a translated variant) still aggregate; they land in ``"other"`` deliberately, and the
+    results keep per-subject rows so nothing is hidden.
+    """
+    return SUBJECT_CATEGORIES.get(subject, "other")
+
+
+@dataclass(frozen=True)
+class Question:
+    """One MMLU item, fields as strings exactly as published."""
+
+    subject: str
+    question: str
+    choices: tuple[str, str, str, str]
+    answer: int  # 0-3, index into choices / LETTERS
+    split: str  # canonical: "dev", "validation" or "test"
+    index: int  # 0-based position within (subject, split), file order
+
+
+def normalize_split(split: str) -> str:
+    """Canonical split name (``val`` -> ``validation``); refuses anything else."""
+    try:
+        return _SPLIT_ALIASES[split]
+    except KeyError:
+        raise ExportInputError(
+            "unknown MMLU split", key="split", expected=f"one of {sorted(_SPLIT_ALIASES)}",
+            actual=repr(split),
+        ) from None
+
+
+def group_by_subject(questions: Iterable[Question]) -> dict[str, list[Question]]:
+    """Questions per subject, keeping their order (which decides the few-shot examples)."""
+    out: dict[str, list[Question]] = {}
+    for q in questions:
+        out.setdefault(q.subject, []).append(q)
+    return out
+
+
+def require_dev_examples(dev: Sequence[Question], subjects: Iterable[str], k: int) -> None:
+    """Refuse ``k`` larger than any needed subject's dev split before any prompt is built.
+
+    lm-eval asserts the same (``FirstNSampler``); failing up front names every short subject at once
+    instead of stopping at the first prompt.
+    """
+    if k < 0:
+        raise ExportInputError("few-shot count must be >= 0", key="k", expected=">= 0", actual=k)
+    sizes = {s: 0 for s in subjects}
+    for q in dev:
+        if q.split != "dev":
+            raise ExportInputError(
+                "few-shot pool must come from the dev split", key=q.subject, expected="dev",
+                actual=q.split,
+            )
+        if q.subject in sizes:
+            sizes[q.subject] += 1
+    short = {s: n for s, n in sizes.items() if n < k}
+    if short:
+        raise ExportInputError(
+            f"k={k} few-shot examples requested but the dev split of {len(short)} subject(s) is "
+            "smaller", key="k", expected=f">= {k} dev questions per subject",
+            actual=", ".join(f"{s}: {n}" for s, n in sorted(short.items())),
+            hint="lower k or load the dev split for these subjects",
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_mmlu(
+    path: str | Path,
+    *,
+    splits: Sequence[str] = ("dev", "test"),
+    subjects: Sequence[str] | None = None,
+    allow_empty_choices: bool = False,
+) -> list[Question]:
+    """All questions of ``splits`` (and ``subjects``, if given) found under ``path``.
+
+    The layout is detected (see the module docstring). Subjects named in ``subjects`` that are not
+    present in every requested split are refused with the list of available ones, so a typo does not
+    silently evaluate nothing. Empty choice strings are refused unless ``allow_empty_choices``: in a
+    hand-made file they almost always mean a shifted or missing column.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ExportInputError(
+            "MMLU data directory not found", key=str(root), expected="an existing directory",
+            actual="missing" if not root.exists() else "a file",
+        )
+    wanted = tuple(dict.fromkeys(normalize_split(s) for s in splits))
+    reader = _detect_layout(root)
+    by_split = {split: reader(root, split) for split in wanted}
+    for split, items in by_split.items():
+        for raw in items:
+            _check_choices(raw, allow_empty_choices)
+    if subjects is not None:
+        _check_subjects(subjects, by_split)
+        keep = set(subjects)
+        by_split = {s: [r for r in rs if r.subject in keep] for s, rs in by_split.items()}
+    return [q for split in wanted for q in _number(by_split[split], split)]
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """A parsed row before numbering; ``where`` names file and line for error messages."""
+
+    subject: str
+    question: str
+    choices: tuple[str, str, str, str]
+    answer: int
+    where: str
+
+
+def _number(rows: Iterable[_Raw], split: str) -> Iterator[Question]:
+    """Attach the per-(subject, split) index in file order."""
+    counters: dict[str, int] = {}
+    for r in rows:
+        i = counters.get(r.subject, 0)
+        counters[r.subject] = i + 1
+        yield Question(r.subject, r.question, r.choices, r.answer, split, i)
+
+
+def _check_choices(raw: _Raw, allow_empty: bool) -> None:
+    """Refuse empty questions and (unless allowed) empty choices."""
+    if not raw.question.strip():
+        raise ExportInputError(
+            f"empty question in {raw.where}", key=raw.subject, expected="non-empty text",
+            actual=repr(raw.question),
+        )
+    if not allow_empty:
+        empty = [LETTERS[i] for i, c in enumerate(raw.choices) if c == ""]
+        if empty:
+            raise ExportInputError(
+                f"empty choice(s) {', '.join(empty)} in {raw.where}", key=raw.subject,
+                expected="4 non-empty choices", actual=list(raw.choices),
+                hint="check for a missing or shifted column; pass allow_empty_choices=True if the "
+                "data really has empty choices",
+            )
+
+
+def _check_subjects(subjects: Sequence[str], by_split: dict[str, list[_Raw]]) -> None:
+    """Every requested subject must exist in every requested split."""
+    for split, rows in by_split.items():
+        available = sorted({r.subject for r in rows})
+        missing = [s for s in subjects if s not in set(available)]
+        if missing:
+            raise ExportInputError(
+                f"subject(s) not found in the {split} split", key="subjects",
+                expected=f"some of {available}", actual=missing,
+            )
+
+
+def _detect_layout(root: Path) -> Callable[[Path, str], list[_Raw]]:
+    """Return the reader for the layout under ``root`` (see module docstring)."""
+    if (root / "dataset_dict.json").is_file() or (root / "state.json").is_file():
+        return _read_arrow_split
+    if any(_csv_split_dir(root, s) is not None for s in SPLITS):
+        return _read_csv_split
+    if any(root.glob("*.jsonl")) or any(root.glob("*/*.jsonl")):
+        return _read_jsonl_split
+    if any(root.glob("*/*.parquet")):
+        return _read_parquet_split
+    raise ExportInputError(
+        "no MMLU data found", key=str(root),
+        expected="{dev,val,test}/{subject}_{split}.csv, {split}.jsonl, {split}/*.jsonl, "
+        "{subject|all}/{split}-*.parquet or a datasets save_to_disk folder",
+        actual=sorted(p.name for p in root.iterdir())[:20],
+    )
+
+
+def _missing_split(root: Path, split: str, looked_for: str) -> ExportInputError:
+    return ExportInputError(
+        f"MMLU {split} split not found under {root}", key=split, expected=looked_for,
+        actual=sorted(p.name for p in root.iterdir())[:20],
+    )
+
+
+# --- CSV ------------------------------------------------------------------------------------------
+
+
+def _csv_split_dir(root: Path, split: str) -> Path | None:
+    """The folder holding ``{subject}_{name}.csv`` for ``split`` (root or root/data), if any."""
+    for base in (root, root / "data"):
+        for name in _SPLIT_FILE_NAMES[split]:
+            d = base / name
+            if d.is_dir() and any(d.glob(f"*_{name}.csv")):
+                return d
+    return None
+
+
+def _read_csv_split(root: Path, split: str) -> list[_Raw]:
+    d = _csv_split_dir(root, split)
+    if d is None:
+        names = _SPLIT_FILE_NAMES[split]
+        raise _missing_split(root, split, " or ".join(f"{n}/{{subject}}_{n}.csv" for n in names))
+    suffix = f"_{d.name}.csv"
+    rows: list[_Raw] = []
+    for f in sorted(d.glob(f"*{suffix}")):
+        rows.extend(_read_csv_file(f, f.name[: -len(suffix)]))
+    return rows
+
+
+def _read_csv_file(path: Path, subject: str) -> list[_Raw]:
+    """Rows of one hendrycks CSV; fields are kept verbatim (no type guessing, no stripping)."""
+    out: list[_Raw] = []
+    # utf-8-sig: tolerate a BOM some editors add; it would otherwise end up in the first question.
+    with path.open(newline="", encoding="utf-8-sig") as fh:
+        reader = csv.reader(fh)
+        try:
+            for row_no, row in enumerate(reader, start=1):
+                if not row:  # a blank line; csv gives [] and pandas skips it too
+                    continue
+                where = f"{path} row {row_no} (line {reader.line_num})"
+                if len(row) != 6:
+                    raise ExportInputError(
+                        f"wrong column count in {where}", key=subject,
+                        expected="6 columns: question,A,B,C,D,answer", actual=f"{len(row)}: {row!r}",
+                        hint="fields with commas, quotes or newlines must be double-quoted",
+                    )
+                answer = _parse_answer(row[5], where, subject)
+                out.append(_Raw(subject, row[0], (row[1], row[2], row[3], row[4]), answer, where))
+        except csv.Error as e:
+            raise ExportInputError(
+                f"malformed CSV in {path} near line {reader.line_num}", key=subject,
+                expected="RFC 4180 CSV", actual=str(e),
+            ) from e
+    return out
+
+
+# --- JSONL ----------------------------------------------------------------------------------------
+
+
+def _jsonl_files(root: Path, split: str) -> list[Path]:
+    for name in _SPLIT_FILE_NAMES[split]:
+        if (root / f"{name}.jsonl").is_file():
+            return [root / f"{name}.jsonl"]
+        if (root / name).is_dir():
+            files = sorted((root / name).glob("*.jsonl"))
+            if files:
+                return files
+    return []
+
+
+def _read_jsonl_split(root: Path, split: str) -> list[_Raw]:
+    files = _jsonl_files(root, split)
+    if not files:
+        names = _SPLIT_FILE_NAMES[split]
+        raise _missing_split(root, split, " or ".join(f"{n}.jsonl or {n}/*.jsonl" for n in names))
+    rows: list[_Raw] = []
+    for f in files:
+        with f.open(encoding="utf-8") as fh:
+            for line_no, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                where = f"{f} line {line_no}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ExportInputError(
+                        f"invalid JSON in {where}", expected="one JSON object per line",
+                        actual=str(e),
+                    ) from e
+                rows.append(_raw_from_record(obj, where))
+    return rows
+
+
+# --- parquet (cais/mmlu) and datasets save_to_disk ------------------------------------------------
+
+
+def _require_pyarrow(what: str) -> Any:
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ExportInputError(
+            f"reading {what} needs pyarrow, which is not installed", key="pyarrow",
+            expected="pyarrow importable", actual="ImportError", hint="pip install pyarrow",
+        ) from None
+    return pyarrow
+
+
+def _read_parquet_split(root: Path, split: str) -> list[_Raw]:
+    _require_pyarrow(f"parquet MMLU data under {root}")
+    import pyarrow.parquet as pq
+
+    names = _SPLIT_FILE_NAMES[split]
+    subject_dirs = sorted(d for d in root.iterdir() if d.is_dir() and d.name != "all")
+    files = [f for d in subject_dirs for n in names for f in sorted(d.glob(f"{n}-*.parquet"))]
+    if not files:  # fall back to the combined config
+        files = [f for n in names for f in sorted((root / "all").glob(f"{n}-*.parquet"))]
+    if not files:
+        raise _missing_split(
+            root, split, " or ".join(f"{{subject}}/{n}-*.parquet or all/{n}-*.parquet" for n in names)
+        )
+    rows: list[_Raw] = []
+    for f in files:
+        default_subject = None if f.parent.name == "all" else f.parent.name
+        for i, rec in enumerate(pq.read_table(f).to_pylist()):
+            if default_subject is not None and not rec.get("subject"):
+                rec = {**rec, "subject": default_subject}
+            rows.append(_raw_from_record(rec, f"{f} row {i}"))
+    return rows
+
+
+def _read_arrow_split(root: Path, split: str) -> list[_Raw]:
+    """A ``DatasetDict.save_to_disk`` folder: ``{split}/state.json`` lists the ``.arrow`` files."""
+    _require_pyarrow(f"the datasets folder {root}")
+    import pyarrow as pa
+
+    split_dir = next(
+        (root / n for n in (*_SPLIT_FILE_NAMES[split], split) if (root / n / "state.json").is_file()),
+        None,
+    )
+    if split_dir is None:
+        raise _missing_split(root, split, f"{split}/state.json")
+    state = json.loads((split_dir / "state.json").read_text(encoding="utf-8"))
+    rows: list[_Raw] = []
+    for entry in state.get("_data_files", []):
+        f = split_dir / entry["filename"]
+        with pa.memory_map(str(f)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        for i, rec in enumerate(table.to_pylist()):
+            rows.append(_raw_from_record(rec, f"{f} row {i}"))
+    return rows
+
+
+# --- shared record parsing ------------------------------------------------------------------------
+
+
+def _raw_from_record(rec: Any, where: str) -> _Raw:
+    """Validate one ``{question, subject, choices, answer}`` record (JSONL, parquet, arrow)."""
+    if not isinstance(rec, dict):
+        raise ExportInputError(f"record in {where} is not an object", expected="object",
+                               actual=type(rec).__name__)
+    missing = [k for k in ("question", "subject", "choices", "answer") if k not in rec]
+    if missing:
+        raise ExportInputError(
+            f"missing field(s) in {where}", expected="question, subject, choices, answer",
+            actual=f"missing {missing}; has {sorted(rec)}",
+        )
+    subject, question, choices = rec["subject"], rec["question"], rec["choices"]
+    if not isinstance(subject, str) or not subject:
+        raise ExportInputError(f"bad subject in {where}", expected="non-empty string",
+                               actual=repr(subject))
+    if not isinstance(question, str):
+        raise ExportInputError(f"bad question in {where}", key=subject, expected="string",
+                               actual=repr(question))
+    if not isinstance(choices, list | tuple) or len(choices) != 4:
+        raise ExportInputError(
+            f"bad choices in {where}", key=subject, expected="a list of 4 strings",
+            actual=repr(choices),
+        )
+    if not all(isinstance(c, str) for c in choices):
+        raise ExportInputError(
+            f"non-string choice in {where}", key=subject,
+            expected="4 strings (numbers would lose their spelling, e.g. 0.50 -> 0.5)",
+            actual=repr(choices),
+        )
+    answer = _parse_answer(rec["answer"], where, subject)
+    return _Raw(subject, question, (choices[0], choices[1], choices[2], choices[3]), answer, where)
+
+
+def _parse_answer(value: Any, where: str, subject: str) -> int:
+    """0-3 from an int 0-3 or a letter A-D (surrounding whitespace ignored, case is not)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
+        return value
+    if isinstance(value, str) and value.strip() in LETTERS:
+        return LETTERS.index(value.strip())
+    raise ExportInputError(
+        f"bad answer in {where}", key=subject, expected="A, B, C, D or 0-3", actual=repr(value)
+    )

@@ -1,0 +1,304 @@
+"""The collective export step: sharded model -> HF checkpoint directory, with no gather.
+
+Steps, each closed by ``Coordinator.agree`` (a monitored barrier under a timeout plus a status
+exchange, so a failure or stall on any rank becomes the same clear error on every rank):
+
+1. ``validate``  every rank resolves its inputs, builds the plan (pure, identical everywhere) and
+                 its pieces; the plan digest and per-key element coverage are compared across
+                 ranks (an all-reduce of one counter per key): every element must have exactly one
+                 writer. Options that cannot be honoured are refused here, before any byte is
+                 written.
+2. ``prepare``   rank 0 creates a fresh temporary sibling directory ``.{name}.partial``.
+3. ``headers``   the owner of each file (file i -> rank i % world) creates it at full size and writes
+                 its header; rank 0 writes the index, ``config.json``, the generation config and
+                 tokenizer files.
+4. ``write``     every rank writes its primary pieces straight to their final offsets, then fsyncs.
+5. ``verify``    rank 0 checks the structure from the bytes on disk (``verify_checkpoint``) and
+                 fsyncs the directory.
+6. ``publish``   rank 0 renames the directory into place atomically (and, with
+                 ``overwrite="replace"``, swaps the old one out) and fsyncs the parent.
+
+On any failure rank 0 removes the temporary directory; the target is never touched until step 6.
+The filesystem must be shared by the ranks (the usual Lustre/NFS/GPFS checkpoint setup).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nemo_moe_export.adapters import StateDictAdapter, get_adapter
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.plan import INDEX_NAME, ExportPlan, plan_export
+from nemo_moe_export.export.verify import verify_checkpoint
+from nemo_moe_export.export.writer import WriteStats, write_headers, write_pieces
+from nemo_moe_export.parallel import Coordinator
+
+__all__ = ["ExportResult", "ExportStep", "export_hf_checkpoint"]
+
+OVERWRITE_POLICIES = ("error", "replace")
+
+
+@dataclass
+class ExportResult:
+    path: str
+    files: int
+    tensors: int
+    checkpoint_bytes: int
+    rank_bytes_written: int
+    seconds: float
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).replace("torch.", ""), None)
+    if not isinstance(value, torch.dtype):
+        raise ExportInputError("unknown dtype", key="dtype", expected="e.g. bfloat16, float16, float32",
+                               actual=repr(dtype))
+    return value
+
+
+def _fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes its new entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plan_digest(plan: ExportPlan) -> str:
+    h = hashlib.sha256()
+    for f in plan.files:
+        h.update(f.name.encode())
+        h.update(f.header)
+    return h.hexdigest()
+
+
+def export_hf_checkpoint(
+    output_dir: str | os.PathLike[str],
+    model: Any = None,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    config: Any = None,
+    adapter: StateDictAdapter | None = None,
+    tokenizer: Any = None,
+    generation_config: Any = None,
+    dtype: torch.dtype | str | None = None,
+    keep_dtype: tuple[str, ...] = (),
+    max_shard_size: int | str = "5GB",
+    group: Any = None,
+    overwrite: str = "error",
+    timeout_s: float = 600.0,
+    staging_bytes: int = 64 << 20,
+    verify: bool = True,
+) -> ExportResult:
+    """Export a (possibly sharded) model to a Hugging Face checkpoint; call on every rank of ``group``.
+
+    Pass ``model`` (a transformers model, sharded or not) or ``state_dict`` + ``config``. No rank
+    gathers the model: each writes its own shards into the final files. ``dtype`` casts floating
+    weights (``keep_dtype`` regexes exempt keys); ``overwrite`` is ``"error"`` (refuse an existing
+    target) or ``"replace"`` (swap it atomically).
+    """
+    t_start = time.perf_counter()
+    coord = Coordinator(group, timeout_s=timeout_s, name="export")
+    target = os.path.abspath(os.fspath(output_dir))
+    parent, name = os.path.dirname(target), os.path.basename(target)
+    partial = os.path.join(parent, f".{name}.partial")
+    times: dict[str, float] = {}
+    step_start = time.perf_counter()
+
+    def done(step: str, error: BaseException | None = None) -> None:
+        nonlocal step_start
+        coord.agree(step, error)
+        now = time.perf_counter()
+        times[step] = round(now - step_start, 4)
+        step_start = now
+
+    # 1. validate -------------------------------------------------------------------------------
+    error = None
+    try:
+        if overwrite not in OVERWRITE_POLICIES:
+            raise ExportInputError("unknown overwrite policy", key="overwrite", expected=OVERWRITE_POLICIES,
+                                   actual=repr(overwrite))
+        if os.path.exists(target) and overwrite == "error":
+            raise ExportInputError("export target already exists", key=target, expected="no directory there",
+                                   actual="an existing path", hint='pass overwrite="replace" to swap it atomically')
+        if not os.path.isdir(parent):
+            raise ExportInputError("parent of the export target does not exist", key=parent,
+                                   expected="an existing directory on a filesystem shared by all ranks",
+                                   actual="missing")
+        if state_dict is None:
+            if model is None:
+                raise ExportInputError("nothing to export", key="model", expected="a model or a state_dict",
+                                       actual="neither")
+            state_dict = model.state_dict()
+        config = config if config is not None else getattr(model, "config", None)
+        if config is None:
+            raise ExportInputError("no HF config", key="config", expected="model.config or config=",
+                                   actual=None)
+        if generation_config is None and model is not None and getattr(model, "can_generate", lambda: False)():
+            generation_config = getattr(model, "generation_config", None)
+        adapter = adapter or get_adapter(config)
+        export_dtype = _parse_dtype(dtype)
+        plan = plan_export(adapter.hf_metadata(state_dict), dtype=export_dtype, keep_dtype=keep_dtype,
+                           max_shard_size=max_shard_size)
+        pieces = [p for p in adapter.to_hf(state_dict).values() if p.primary]
+        keys = list(plan.tensors)
+        position = {k: i for i, k in enumerate(keys)}
+        coverage = torch.zeros(len(keys), dtype=torch.int64)
+        for p in pieces:
+            coverage[position[p.key]] += p.tensor.numel()
+    except BaseException as exc:  # reported to every rank by agree
+        error = exc
+    done("validate", error)
+
+    digests = [None] * coord.world_size
+    if coord.active:
+        import torch.distributed as dist
+
+        dist.all_gather_object(digests, _plan_digest(plan), group=coord.group)
+        if len(set(digests)) != 1:
+            raise ExportInputError("ranks computed different export plans", key="plan", expected="one plan",
+                                   actual=f"{len(set(digests))} distinct plans",
+                                   hint="every rank must export the same model with the same options")
+    coord.all_reduce_sum(coverage)
+    expected = torch.tensor([math.prod(plan.tensors[k].shape) for k in keys], dtype=torch.int64)
+    wrong = (coverage != expected).nonzero().flatten().tolist()
+    if wrong:
+        first = keys[wrong[0]]
+        raise ExportInputError(
+            f"{len(wrong)} tensors would not be written exactly once", key=first,
+            expected=f"{int(expected[wrong[0]])} elements with one writer each",
+            actual=f"{int(coverage[wrong[0]])} written by primaries across ranks",
+            hint="replicated tensors must have a single primary; check the mesh and placements",
+        )
+
+    try:
+        # 2. prepare ----------------------------------------------------------------------------
+        error = None
+        try:
+            if coord.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)  # a stale attempt
+                os.makedirs(partial)
+        except BaseException as exc:
+            error = exc
+        done("prepare", error)
+
+        # 3. headers and small files ------------------------------------------------------------
+        error = None
+        try:
+            mine = [f.name for i, f in enumerate(plan.files) if i % coord.world_size == coord.rank]
+            write_headers(plan, partial, mine)
+            if coord.rank == 0:
+                _write_metadata_files(partial, plan, config, export_dtype, generation_config, tokenizer)
+        except BaseException as exc:
+            error = exc
+        done("headers", error)
+
+        # 4. tensor bytes ----------------------------------------------------------------------
+        error, stats = None, WriteStats()
+        try:
+            stats = write_pieces(plan, pieces, partial, staging_bytes=staging_bytes)
+        except BaseException as exc:
+            error = exc
+        done("write", error)
+
+        # 5. verify ----------------------------------------------------------------------------
+        error = None
+        try:
+            if coord.rank == 0:
+                if verify:
+                    report = verify_checkpoint(partial)
+                    if not report.ok:
+                        raise RuntimeError("the written checkpoint failed verification:\n" + report.summary())
+                _fsync_path(partial)
+        except BaseException as exc:
+            error = exc
+        done("verify", error)
+
+        # 6. publish ---------------------------------------------------------------------------
+        error = None
+        try:
+            if coord.rank == 0:
+                _publish(partial, target, overwrite)
+        except BaseException as exc:
+            error = exc
+        done("publish", error)
+    except BaseException:
+        if coord.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return ExportResult(
+        path=target, files=len(plan.files), tensors=len(plan.tensors), checkpoint_bytes=plan.total_tensor_bytes,
+        rank_bytes_written=stats.bytes_written, seconds=round(time.perf_counter() - t_start, 4),
+        step_seconds=times,
+    )
+
+
+def _write_metadata_files(directory: str, plan: ExportPlan, config: Any, dtype: torch.dtype | None,
+                          generation_config: Any, tokenizer: Any) -> None:
+    with open(os.path.join(directory, INDEX_NAME), "w") as f:
+        f.write(plan.index_json())
+        f.flush()
+        os.fsync(f.fileno())
+    config = copy.deepcopy(config)
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(directory)
+    if generation_config is not None:
+        generation_config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    for entry in os.listdir(directory):
+        path = os.path.join(directory, entry)
+        if not entry.endswith(".safetensors") and os.path.isfile(path):
+            _fsync_path(path)
+
+
+def _publish(partial: str, target: str, overwrite: str) -> None:
+    parent = os.path.dirname(target)
+    if os.path.exists(target):
+        if overwrite != "replace":
+            raise ExportInputError("export target appeared while exporting", key=target,
+                                   expected="no directory there", actual="an existing path")
+        trash = os.path.join(parent, f".{os.path.basename(target)}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(target, trash)
+        os.rename(partial, target)
+        _fsync_path(parent)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(partial, target)
+        _fsync_path(parent)
+
+
+@dataclass
+class ExportStep:
+    """The export as a recipe step: configure once, call at the end of training on every rank."""
+
+    output_dir: str
+    dtype: str | None = None
+    max_shard_size: int | str = "5GB"
+    overwrite: str = "error"
+    timeout_s: float = 600.0
+    keep_dtype: tuple[str, ...] = ()
+    verify: bool = True
+
+    def __call__(self, model: Any = None, **kwargs: Any) -> ExportResult:
+        return export_hf_checkpoint(
+            self.output_dir, model, dtype=self.dtype, max_shard_size=self.max_shard_size,
+            overwrite=self.overwrite, timeout_s=self.timeout_s, keep_dtype=tuple(self.keep_dtype),
+            verify=self.verify, **kwargs,
+        )

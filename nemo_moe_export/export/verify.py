@@ -1,0 +1,226 @@
+"""Check an HF safetensors checkpoint from its bytes, not from whether it happens to load.
+
+``from_pretrained`` silently accepts several broken checkpoints (a stale fused expert key beside
+the per-expert keys, an index entry pointing at the wrong file, an extra ``lm_head.weight`` on a
+tied model), so a clean load proves little. :func:`verify_checkpoint` reads every file's header
+and the index and reports every problem it finds:
+
+* each header parses; dtypes are known; ``data_offsets`` match dtype x shape, start at 0, tile the
+  data region with no gap or overlap, and end exactly at the end of the file;
+* every key sits in exactly one file, and the index names exactly the keys and files that exist;
+* no fused expert tensor sits beside per-expert keys of the same layer;
+* every MoE layer has experts ``0 .. E-1`` with E from ``config.json``, each with the same
+  projections; no ``lm_head.weight`` when the config ties word embeddings;
+* optionally, every tensor equals a reference checkpoint or state dict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["VerifyReport", "verify_checkpoint"]
+
+_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+_PER_EXPERT = re.compile(r"^(?P<layer>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>.+)$")
+_FUSED = re.compile(r"^(?P<layer>.*)\.experts\.(gate_up_proj|down_proj|gate_and_up_projs|down_projs)$")
+_NUM_EXPERTS_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    files: int = 0
+    tensors: int = 0
+    tensor_bytes: int = 0
+    compared: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def summary(self) -> str:
+        head = (f"{self.path}: {self.files} files, {self.tensors} tensors, {self.tensor_bytes / 1e9:.3f} GB"
+                + (f", {self.compared} compared with the reference" if self.compared else ""))
+        if self.ok:
+            return head + ": OK"
+        return head + f": {len(self.problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+
+def _read_header(path: str, report: VerifyReport) -> dict | None:
+    name = os.path.basename(path)
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            report.problems.append(f"{name}: file is {size} bytes, too short for a safetensors header")
+            return None
+        n = int.from_bytes(prefix, "little")
+        if n > size - 8:
+            report.problems.append(f"{name}: header length {n} exceeds the file ({size} bytes): truncated?")
+            return None
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as exc:
+            report.problems.append(f"{name}: header is not valid JSON ({exc})")
+            return None
+    header.pop("__metadata__", None)
+    spans = []
+    for key, info in header.items():
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPE_SIZES or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
+            report.problems.append(f"{name}: key '{key}' has a malformed entry {info}")
+            continue
+        numel = 1
+        for s in shape:
+            numel *= s
+        if offsets[1] - offsets[0] != numel * _DTYPE_SIZES[dtype]:
+            report.problems.append(
+                f"{name}: key '{key}' spans {offsets[1] - offsets[0]} bytes, expected {numel * _DTYPE_SIZES[dtype]} "
+                f"for {dtype} {shape}")
+        spans.append((offsets[0], offsets[1], key))
+    spans.sort()
+    cursor = 0
+    for start, end, key in spans:
+        if start < cursor:
+            report.problems.append(f"{name}: key '{key}' at bytes [{start}, {end}) overlaps the previous tensor "
+                                   f"(which ends at {cursor})")
+        elif start > cursor:
+            report.problems.append(f"{name}: gap of {start - cursor} bytes before key '{key}' at {start}")
+        cursor = max(cursor, end)
+    data = size - 8 - n
+    if cursor != data:
+        report.problems.append(f"{name}: tensors end at data byte {cursor} but the file holds {data} data bytes "
+                               f"({'truncated' if cursor > data else 'trailing bytes'})")
+    report.tensor_bytes += sum(e - s for s, e, _ in spans)
+    return header
+
+
+def _expert_checks(keys: list[str], config: Mapping | None, report: VerifyReport) -> None:
+    experts: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for key in keys:
+        m = _PER_EXPERT.match(key)
+        if m:
+            experts[m["layer"]][int(m["expert"])].add(m["proj"])
+    for key in keys:
+        m = _FUSED.match(key)
+        if m and m["layer"] in experts:
+            report.problems.append(f"stale fused expert key '{key}' beside per-expert keys of {m['layer']}")
+    expected = None
+    if config is not None:
+        text = config.get("text_config", config)
+        expected = next((text[f] for f in _NUM_EXPERTS_FIELDS if text.get(f) is not None), None)
+    for layer, by_id in sorted(experts.items()):
+        ids = sorted(by_id)
+        if expected is not None and ids != list(range(expected)):
+            missing = sorted(set(range(expected)) - set(ids))
+            extra = sorted(set(ids) - set(range(expected)))
+            report.problems.append(f"{layer}: experts {len(ids)} found, config says {expected}"
+                                   + (f"; missing ids {missing[:8]}" if missing else "")
+                                   + (f"; unexpected ids {extra[:8]}" if extra else ""))
+        projections = {frozenset(p) for p in by_id.values()}
+        if len(projections) > 1:
+            report.problems.append(f"{layer}: experts differ in their projections {sorted(map(sorted, projections))}")
+    if config is not None and config.get("tie_word_embeddings") and any(k.endswith("lm_head.weight") for k in keys):
+        report.problems.append("config ties word embeddings but the checkpoint also stores lm_head.weight")
+
+
+def _compare(path: str, where: dict[str, str], reference, report: VerifyReport) -> None:
+    from safetensors import safe_open
+
+    if isinstance(reference, (str, os.PathLike)):
+        from nemo_moe_export.adapters.engine import SafetensorsSource
+
+        source = SafetensorsSource(reference)
+        ref_keys, get = source.keys(), source.read_whole
+    else:
+        source, ref_keys, get = None, set(reference), lambda k: reference[k]
+    try:
+        if set(where) != ref_keys:
+            report.problems.append(
+                f"keys differ from the reference: missing {sorted(ref_keys - set(where))[:8]}, "
+                f"extra {sorted(set(where) - ref_keys)[:8]}")
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for key, file in where.items():
+            if key in ref_keys:
+                by_file[file].append(key)
+        for file, keys in by_file.items():
+            with safe_open(os.path.join(path, file), framework="pt") as f:
+                for key in keys:
+                    ours, theirs = f.get_tensor(key), get(key)
+                    if not torch.is_tensor(theirs):
+                        theirs = torch.as_tensor(theirs)
+                    theirs = theirs.detach().cpu()
+                    report.compared += 1
+                    if ours.dtype != theirs.dtype or ours.shape != theirs.shape or not torch.equal(ours, theirs):
+                        report.problems.append(
+                            f"tensor '{key}' differs from the reference ({ours.dtype} {tuple(ours.shape)} vs "
+                            f"{theirs.dtype} {tuple(theirs.shape)})")
+    finally:
+        if source is not None:
+            source.close()
+
+
+def verify_checkpoint(path: str | os.PathLike[str], reference=None) -> VerifyReport:
+    """Verify the checkpoint in ``path``; ``reference`` (a checkpoint dir or ``{key: tensor}``) adds a
+    tensor-by-tensor comparison. Returns a report; ``report.ok`` is False on any problem."""
+    path = os.fspath(path)
+    report = VerifyReport(path)
+    if not os.path.isdir(path):
+        report.problems.append("not a directory")
+        return report
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    report.files = len(files)
+    if not files:
+        report.problems.append("no .safetensors files")
+        return report
+    index_path = os.path.join(path, INDEX_NAME)
+    index = None
+    if os.path.exists(index_path):
+        try:
+            with open(index_path) as f:
+                index = json.load(f)["weight_map"]
+        except (ValueError, KeyError) as exc:
+            report.problems.append(f"{INDEX_NAME}: unreadable ({exc})")
+    elif len(files) > 1 or files[0] != "model.safetensors":
+        report.problems.append(f"{INDEX_NAME} is missing: transformers cannot map keys to {files}")
+
+    where: dict[str, str] = {}
+    for name in files:
+        header = _read_header(os.path.join(path, name), report)
+        for key in header or {}:
+            if key in where:
+                report.problems.append(f"key '{key}' is stored twice: in {where[key]} and {name}")
+            else:
+                where[key] = name
+    report.tensors = len(where)
+    if index is not None:
+        for key, file in sorted(index.items()):
+            if key not in where:
+                report.problems.append(f"{INDEX_NAME}: key '{key}' -> {file}, but no file holds it")
+            elif where[key] != file:
+                report.problems.append(f"{INDEX_NAME}: key '{key}' -> {file}, but it is stored in {where[key]}")
+        for key in sorted(set(where) - set(index)):
+            report.problems.append(f"key '{key}' in {where[key]} is missing from {INDEX_NAME}")
+        for file in sorted(set(index.values()) - set(files)):
+            report.problems.append(f"{INDEX_NAME} names {file}, which does not exist")
+    config = None
+    config_path = os.path.join(path, "config.json")
+    if os.path.exists(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+    else:
+        report.problems.append("config.json is missing")
+    _expert_checks(sorted(where), config, report)
+    if reference is not None and report.ok:
+        _compare(path, where, reference, report)
+    return report

@@ -1,0 +1,98 @@
+"""Single-process export: option refusals before any write, overwrite policy, exact odd dtypes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export import export_hf_checkpoint, plan_export, verify_checkpoint
+from nemo_moe_export.parallel import PeerError
+from nemo_moe_export.tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3_moe", n_experts=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (dict(dtype="int8"), "export dtype must be floating point"),
+        (dict(dtype="bfloat17"), "unknown dtype"),
+        (dict(overwrite="sometimes"), "unknown overwrite policy"),
+        (dict(max_shard_size="lots"), "unreadable size"),
+    ],
+)
+def test_refused_options_write_nothing(model, tmp_path, kwargs, pattern):
+    with pytest.raises(PeerError, match=pattern):
+        export_hf_checkpoint(tmp_path / "out", model, **kwargs)
+    assert os.listdir(tmp_path) == []
+
+
+def test_existing_target_is_refused_then_replaced_atomically(model, tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("old")
+    with pytest.raises(PeerError, match=r"export target already exists.*overwrite=\"replace\""):
+        export_hf_checkpoint(target, model)
+    assert os.listdir(target) == ["keep.txt"]
+    export_hf_checkpoint(target, model, overwrite="replace")
+    assert "keep.txt" not in os.listdir(target) and verify_checkpoint(target).ok
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no partial or old directory left behind
+
+
+def test_integer_and_zero_dim_tensors_are_kept_exact(model, tmp_path):
+    sd = dict(model.state_dict())
+    sd["model.step"] = torch.tensor(123456789012, dtype=torch.int64)  # 0-dim, beyond float precision
+    sd["model.flags"] = torch.tensor([True, False, True])
+    export_hf_checkpoint(tmp_path / "out", state_dict=sd, config=model.config, dtype="bfloat16")
+    index_files = {f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")}
+    found = {}
+    for name in index_files:
+        with safe_open(tmp_path / "out" / name, "pt") as f:
+            for key in f.keys():
+                found[key] = f.get_tensor(key)
+    assert found["model.step"].dtype == torch.int64 and found["model.step"].item() == 123456789012
+    assert found["model.flags"].tolist() == [True, False, True]
+    assert found["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_plan_tiles_files_and_is_deterministic(model):
+    from nemo_moe_export.adapters import get_adapter
+
+    meta = get_adapter(model.config).hf_metadata(model.state_dict())
+    a, b = plan_export(meta, max_shard_size="10KB"), plan_export(dict(reversed(meta.items())), max_shard_size="10KB")
+    assert [(f.name, f.header) for f in a.files] == [(f.name, f.header) for f in b.files]
+    for f in a.files:
+        spans = sorted((a.tensors[k].data_start, a.tensors[k].nbytes) for k in f.keys)
+        cursor = len(f.header)
+        for start, nbytes in spans:
+            assert start == cursor
+            cursor += nbytes
+        assert cursor == f.size
+    from nemo_moe_export.export.plan import natural_key
+
+    assert sorted(["experts.10.w", "experts.9.w", "layers.2.x"], key=natural_key) == [
+        "experts.9.w", "experts.10.w", "layers.2.x"]
+
+
+def test_direct_write_path_does_not_copy(model, tmp_path):
+    """fp32 CPU shards in fp32 go out as zero-copy byte views: nothing is staged."""
+    from nemo_moe_export.adapters import get_adapter
+    from nemo_moe_export.export.plan import plan_export as plan
+    from nemo_moe_export.export.writer import write_headers, write_pieces
+
+    adapter = get_adapter(model.config)
+    p = plan(adapter.hf_metadata(model.state_dict()), max_shard_size="10KB")
+    write_headers(p, str(tmp_path), [f.name for f in p.files])
+    stats = write_pieces(p, adapter.to_hf(model.state_dict()).values(), str(tmp_path))
+    assert stats.staged_bytes == 0 and stats.bytes_written == p.total_tensor_bytes
+    p16 = plan(adapter.hf_metadata(model.state_dict()), dtype=torch.bfloat16, max_shard_size="10KB")
+    write_headers(p16, str(tmp_path), [f.name for f in p16.files])
+    stats16 = write_pieces(p16, adapter.to_hf(model.state_dict()).values(), str(tmp_path), staging_bytes=4096)
+    assert stats16.staged_bytes == p16.total_tensor_bytes
