@@ -25,10 +25,12 @@ class Case:
     n_experts: int
     mesh: str  # fsdp | hsdp | ep_fsdp_grouped
     dtype: str | None = None
+    writers: tuple[int, ...] | None = None  # filesystem="local": only these ranks touch the disk
 
     @property
     def name(self) -> str:
-        return f"{self.family}-{self.n_experts}e-{self.mesh}" + (f"-{self.dtype}" if self.dtype else "")
+        return (f"{self.family}-{self.n_experts}e-{self.mesh}" + (f"-{self.dtype}" if self.dtype else "")
+                + (f"-local{''.join(map(str, self.writers))}" if self.writers else ""))
 
 
 CASES = [
@@ -38,6 +40,8 @@ CASES = [
     Case("deepseek_v3", 5, "hsdp"),
     Case("qwen3_moe", 5, "fsdp", "bfloat16"),
     Case("deepseek_v3", 6, "ep_fsdp_grouped"),
+    Case("kimi_linear", 5, "fsdp", writers=(0,)),
+    Case("deepseek_v3", 10, "hsdp", "bfloat16", writers=(1, 3)),
 ]
 
 
@@ -66,7 +70,8 @@ def _export_worker(rank, world, cases, workdir):
             sd = {k: distribute_tensor(v, mesh, [Shard(0), Shard(1)]) if ".experts." in k else v
                   for k, v in to_grouped_layout(model.state_dict()).items()}
             result = export_hf_checkpoint(target, state_dict=sd, config=model.config,
-                                          generation_config=model.generation_config, max_shard_size="16KB")
+                                          generation_config=model.generation_config, max_shard_size="16KB",
+                                          timeout_s=60)
             out[case.name] = dict(result=result, logits=model(INPUT).logits.detach())
             continue
         dims = (world,) if case.mesh == "fsdp" else (2, world // 2)
@@ -76,7 +81,8 @@ def _export_worker(rank, world, cases, workdir):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         logits = model(INPUT).logits.detach()
-        result = export_hf_checkpoint(target, model, dtype=case.dtype, max_shard_size="16KB")
+        local = dict(filesystem="local", writer_ranks=list(case.writers), staging_bytes=4096) if case.writers else {}
+        result = export_hf_checkpoint(target, model, dtype=case.dtype, max_shard_size="16KB", timeout_s=60, **local)
         out[case.name] = dict(result=result, logits=logits)
     return out
 
@@ -99,6 +105,8 @@ def test_export_loads_with_transformers_and_matches(case, exported):
     assert results[0].files > 1  # small shards: the index matters
     # Each byte written once: the ranks' writes add up to the checkpoint's tensor bytes.
     assert sum(r.rank_bytes_written for r in results) == results[0].checkpoint_bytes
+    if case.writers:  # local filesystem: only the writer ranks touched the disk
+        assert all(r.rank_bytes_written == 0 for i, r in enumerate(results) if i not in case.writers)
     assert not os.path.exists(os.path.join(workdir, f".{case.name}.partial"))
 
     report = verify_checkpoint(path, reference=os.path.join(workdir, case.name + "-ref"))

@@ -19,7 +19,12 @@ exchange, so a failure or stall on any rank becomes the same clear error on ever
                  ``overwrite="replace"``, swaps the old one out) and fsyncs the parent.
 
 On any failure rank 0 removes the temporary directory; the target is never touched until step 6.
-The filesystem must be shared by the ranks (the usual Lustre/NFS/GPFS checkpoint setup).
+
+Filesystems: ``filesystem="shared"`` (default; Lustre/NFS/GPFS, every rank sees the target) has
+every rank write its own bytes. ``filesystem="local"`` is for a target only some ranks can see
+(node-local disk): the files are owned by ``writer_ranks`` (default: the ranks on rank 0's host)
+and every other rank streams its slices to the owner of each file (``exchange.py``), still with
+no gather and bounded buffers.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from nemo_moe_export.parallel import Coordinator
 __all__ = ["ExportResult", "ExportStep", "export_hf_checkpoint"]
 
 OVERWRITE_POLICIES = ("error", "replace")
+FILESYSTEMS = ("shared", "local")
 
 
 @dataclass
@@ -103,13 +109,16 @@ def export_hf_checkpoint(
     timeout_s: float = 600.0,
     staging_bytes: int = 64 << 20,
     verify: bool = True,
+    filesystem: str = "shared",
+    writer_ranks: list[int] | None = None,
 ) -> ExportResult:
     """Export a (possibly sharded) model to a Hugging Face checkpoint; call on every rank of ``group``.
 
     Pass ``model`` (a transformers model, sharded or not) or ``state_dict`` + ``config``. No rank
     gathers the model: each writes its own shards into the final files. ``dtype`` casts floating
     weights (``keep_dtype`` regexes exempt keys); ``overwrite`` is ``"error"`` (refuse an existing
-    target) or ``"replace"`` (swap it atomically).
+    target) or ``"replace"`` (swap it atomically). ``filesystem="local"`` routes every byte to
+    ``writer_ranks`` (default: the ranks on rank 0's host) for targets other ranks cannot see.
     """
     t_start = time.perf_counter()
     coord = Coordinator(group, timeout_s=timeout_s, name="export")
@@ -132,6 +141,18 @@ def export_hf_checkpoint(
         if overwrite not in OVERWRITE_POLICIES:
             raise ExportInputError("unknown overwrite policy", key="overwrite", expected=OVERWRITE_POLICIES,
                                    actual=repr(overwrite))
+        if filesystem not in FILESYSTEMS:
+            raise ExportInputError("unknown filesystem mode", key="filesystem", expected=FILESYSTEMS,
+                                   actual=repr(filesystem))
+        if staging_bytes <= 0 or staging_bytes % 8:
+            raise ExportInputError("staging buffer size must be a positive multiple of 8 bytes",
+                                   key="staging_bytes", expected="e.g. 64 << 20", actual=staging_bytes)
+        if writer_ranks is not None and (
+            not writer_ranks or any(not 0 <= r < max(coord.world_size, 1) for r in writer_ranks)
+        ):
+            raise ExportInputError("writer_ranks must name ranks of the group", key="writer_ranks",
+                                   expected=f"a non-empty subset of 0..{coord.world_size - 1}",
+                                   actual=writer_ranks)
         if os.path.exists(target) and overwrite == "error":
             raise ExportInputError("export target already exists", key=target, expected="no directory there",
                                    actual="an existing path", hint='pass overwrite="replace" to swap it atomically')
@@ -185,6 +206,15 @@ def export_hf_checkpoint(
             hint="replicated tensors must have a single primary; check the mesh and placements",
         )
 
+    if filesystem == "local":
+        from nemo_moe_export.export.exchange import same_host_ranks
+
+        writers = sorted(writer_ranks) if writer_ranks else same_host_ranks(coord)
+    else:
+        writers = [coord.global_rank(r) for r in range(coord.world_size)]
+    owners = {f.name: writers[i % len(writers)] for i, f in enumerate(plan.files)}
+    my_global_rank = coord.global_rank(coord.rank)
+
     try:
         # 2. prepare ----------------------------------------------------------------------------
         error = None
@@ -199,8 +229,7 @@ def export_hf_checkpoint(
         # 3. headers and small files ------------------------------------------------------------
         error = None
         try:
-            mine = [f.name for i, f in enumerate(plan.files) if i % coord.world_size == coord.rank]
-            write_headers(plan, partial, mine)
+            write_headers(plan, partial, [name for name, owner in owners.items() if owner == my_global_rank])
             if coord.rank == 0:
                 _write_metadata_files(partial, plan, config, export_dtype, generation_config, tokenizer)
         except BaseException as exc:
@@ -210,7 +239,12 @@ def export_hf_checkpoint(
         # 4. tensor bytes ----------------------------------------------------------------------
         error, stats = None, WriteStats()
         try:
-            stats = write_pieces(plan, pieces, partial, staging_bytes=staging_bytes)
+            if filesystem == "local":
+                from nemo_moe_export.export.exchange import exchange_and_write
+
+                stats = exchange_and_write(plan, pieces, partial, owners, coord, staging_bytes=staging_bytes)
+            else:
+                stats = write_pieces(plan, pieces, partial, staging_bytes=staging_bytes)
         except BaseException as exc:
             error = exc
         done("write", error)
@@ -295,10 +329,11 @@ class ExportStep:
     timeout_s: float = 600.0
     keep_dtype: tuple[str, ...] = ()
     verify: bool = True
+    filesystem: str = "shared"
 
     def __call__(self, model: Any = None, **kwargs: Any) -> ExportResult:
         return export_hf_checkpoint(
             self.output_dir, model, dtype=self.dtype, max_shard_size=self.max_shard_size,
             overwrite=self.overwrite, timeout_s=self.timeout_s, keep_dtype=tuple(self.keep_dtype),
-            verify=self.verify, **kwargs,
+            verify=self.verify, filesystem=self.filesystem, **kwargs,
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -79,82 +80,137 @@ def _pwrite_all(fd: int, data, offset: int) -> int:
     return done
 
 
+def _pwritev_all(fd: int, buffers: list, offset: int) -> int:
+    """Write adjacent buffers with as few syscalls as possible (``pwritev``), resuming short writes."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    total = sum(len(v) for v in views)
+    done = 0
+    while done < total:
+        # Skip what was written already; the first remaining buffer may be partial.
+        skip, rest = done, []
+        for v in views:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        n = os.pwritev(fd, rest[:_IOV_MAX], offset + done)
+        if n <= 0:
+            raise OSError(f"pwritev wrote {n} bytes at offset {offset + done}")
+        done += n
+    return total
+
+
+_IOV_MAX = 1024
+_BATCH_BYTES = 64 << 20  # coalesce adjacent direct writes up to this size
+
+
+@dataclass
+class _Job:
+    """One contiguous byte range of one file and the tensor whose bytes fill it."""
+
+    fd: int
+    offset: int
+    source: torch.Tensor
+    nbytes: int
+    direct: bool  # CPU, contiguous, already in the target dtype: write the tensor's own memory
+
+
 class _Pipeline:
-    """One writer thread fed by the caller; a fixed pool of staging buffers bounds memory."""
+    """Feeds one writer thread; a fixed pool of staging buffers bounds the extra memory.
+
+    Direct jobs are written from the tensors' own memory, adjacent ones batched into one
+    ``pwritev``. Staged jobs are cast/copied into a free buffer chunk by chunk; the copy into one
+    buffer overlaps the write of the other.
+    """
 
     def __init__(self, staging_bytes: int, n_buffers: int, pinned: bool, fadvise: bool) -> None:
         self.staging_bytes = staging_bytes
         self.fadvise = fadvise and hasattr(os, "posix_fadvise")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nme-writer")
-        self._buffers = [torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(n_buffers)]
-        self._free = list(range(n_buffers))
+        self._n_buffers, self._pinned = n_buffers, pinned
+        self._buffers: list[torch.Tensor] = []  # allocated on first use: direct-only exports need none
+        self._free: list[int] = []
         self._cond = threading.Condition()
-        self._pending: list[Future] = []
+        self._pending: deque[Future] = deque()
 
-    def _write(self, fd: int, data, offset: int, buffer_id: int | None, keepalive: torch.Tensor | None) -> int:
+    def _write(self, fd: int, buffers: list, offset: int, buffer_id: int | None) -> int:
         try:
-            n = _pwrite_all(fd, data, offset)
-            if self.fadvise:
+            n = _pwritev_all(fd, buffers, offset) if len(buffers) > 1 else _pwrite_all(fd, buffers[0], offset)
+            if self.fadvise:  # start writeback now; the final fsync then has little left to do
                 os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
             return n
         finally:
-            del keepalive
             if buffer_id is not None:
                 with self._cond:
                     self._free.append(buffer_id)
                     self._cond.notify()
 
     def _check(self) -> None:
-        done = [f for f in self._pending if f.done()]
-        for f in done:
-            f.result()  # re-raise a write error in the caller
-        self._pending = [f for f in self._pending if not f.done()]
+        while self._pending and self._pending[0].done():
+            self._pending.popleft().result()  # re-raise a write error in the caller
 
-    def submit_direct(self, fd: int, source: torch.Tensor, offset: int) -> None:
+    def _submit(self, fd: int, buffers: list, offset: int, buffer_id: int | None, keepalive=None) -> None:
         self._check()
-        self._pending.append(self._pool.submit(self._write, fd, _byte_view(source), offset, None, source))
+        future = self._pool.submit(self._write, fd, buffers, offset, buffer_id)
+        future.keepalive = keepalive  # the source tensors stay alive until written
+        self._pending.append(future)
 
-    def submit_staged(self, fd: int, source: torch.Tensor, offset: int, dtype: torch.dtype) -> None:
-        """Copy (and cast) ``source`` into staging buffers chunk by chunk and write each chunk."""
+    def write_direct(self, jobs: list[_Job]) -> None:
+        """Write direct jobs, coalescing runs that are adjacent in the same file."""
+        jobs = sorted(jobs, key=lambda j: (j.fd, j.offset))
+        batch: list[_Job] = []
+        for job in jobs + [None]:
+            if batch and (
+                job is None or job.fd != batch[-1].fd or job.offset != batch[-1].offset + batch[-1].nbytes
+                or len(batch) >= _IOV_MAX or sum(j.nbytes for j in batch) >= _BATCH_BYTES
+            ):
+                sources = [j.source for j in batch]
+                self._submit(batch[0].fd, [_byte_view(t) for t in sources], batch[0].offset, None, sources)
+                batch = []
+            if job is not None:
+                batch.append(job)
+
+    def _take_buffer(self) -> int:
+        with self._cond:
+            if not self._free and len(self._buffers) < self._n_buffers:
+                self._buffers.append(torch.empty(self.staging_bytes, dtype=torch.uint8, pin_memory=self._pinned))
+                return len(self._buffers) - 1
+            while not self._free:
+                self._cond.wait(timeout=1.0)
+                self._check()
+            return self._free.pop()
+
+    def write_staged(self, job: _Job, dtype: torch.dtype) -> None:
+        """Copy (and cast) ``job.source`` into staging buffers chunk by chunk and write each chunk."""
+        source, offset = job.source, job.offset
         esize = torch.empty((), dtype=dtype).element_size()
         per_chunk = max(1, self.staging_bytes // esize)
-        rows = source.reshape(-1) if source.is_contiguous() else None
-        if rows is None and source.dim() > 0:
-            row_elems = source[0].numel() if source.dim() > 1 else 1
-            if row_elems > per_chunk:  # a single row bigger than a buffer: materialise it
-                rows = source.contiguous().reshape(-1)
-        total = source.numel()
-        start = 0
+        row_elems = source[0].numel() if source.dim() > 1 else 1
+        flat = None
+        if source.is_contiguous():
+            flat = source.reshape(-1)
+        elif row_elems > per_chunk:  # a single row bigger than a buffer: materialise that run
+            flat = source.contiguous().reshape(-1)
+        total, start = source.numel(), 0
         while start < total:
-            self._check()
-            with self._cond:
-                while not self._free:
-                    self._cond.wait(timeout=1.0)
-                    self._check()
-                buffer_id = self._free.pop()
-            buf = self._buffers[buffer_id]
-            if rows is not None:
-                n = min(per_chunk, total - start)
-                chunk = rows[start:start + n]
-            else:  # non-contiguous source: whole leading rows, so each chunk keeps its shape
-                row_elems = source[0].numel() if source.dim() > 1 else 1
-                n_rows = max(1, per_chunk // row_elems)
+            buffer_id = self._take_buffer()
+            if flat is not None:
+                chunk = flat[start:start + min(per_chunk, total - start)]
+            else:  # whole leading rows, so each chunk keeps the source's (strided) shape
                 first = start // row_elems
-                chunk = source[first:first + n_rows]
-                n = chunk.numel()
-            staged = buf[: n * esize].view(dtype).view(chunk.shape)
-            staged.copy_(chunk, non_blocking=chunk.is_cuda)
+                chunk = source[first:first + max(1, per_chunk // row_elems)]
+            n = chunk.numel()
+            staged = self._buffers[buffer_id][: n * esize]
+            staged.view(dtype).view(chunk.shape).copy_(chunk, non_blocking=chunk.is_cuda)
             if chunk.is_cuda:
                 torch.cuda.current_stream(chunk.device).synchronize()
-            self._pending.append(
-                self._pool.submit(self._write, fd, buf[: n * esize].numpy(), offset + start * esize, buffer_id, None)
-            )
+            self._submit(job.fd, [staged.numpy()], offset + start * esize, buffer_id)
             start += n
 
     def drain(self) -> None:
-        for f in self._pending:
-            f.result()
-        self._pending = []
+        while self._pending:
+            self._pending.popleft().result()
 
     def close(self) -> None:
         try:
@@ -192,20 +248,23 @@ def write_pieces(
     pinned = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
     pipeline = _Pipeline(staging_bytes, n_buffers, pinned, fadvise)
     try:
+        direct: list[_Job] = []
         for piece in pieces:
             planned = plan.tensors[piece.key]
             if planned.file not in fds:
                 fds[planned.file] = os.open(os.path.join(directory, planned.file), os.O_WRONLY)
-            fd = fds[planned.file]
             for offset, source in byte_runs(piece, planned):
-                stats.runs += 1
                 nbytes = source.numel() * planned.element_size
+                job = _Job(fds[planned.file], offset, source, nbytes,
+                           direct=not source.is_cuda and source.dtype == planned.dtype and source.is_contiguous())
+                stats.runs += 1
                 stats.bytes_written += nbytes
-                if not source.is_cuda and source.dtype == planned.dtype and source.is_contiguous():
-                    pipeline.submit_direct(fd, source, offset)
+                if job.direct:
+                    direct.append(job)
                 else:
                     stats.staged_bytes += nbytes
-                    pipeline.submit_staged(fd, source, offset, planned.dtype)
+                    pipeline.write_staged(job, planned.dtype)
+        pipeline.write_direct(direct)
         pipeline.drain()
         for fd in fds.values():
             os.fsync(fd)
