@@ -29,6 +29,16 @@ def _rss_mib() -> float:
     return 0.0
 
 
+def _reset_hwm() -> None:
+    """Reset this process's peak-RSS counter (Linux: writing 5 to clear_refs), so each method's
+    peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def _hwm_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -79,18 +89,18 @@ def _worker(rank, world, args, root):
     from nemo_moe_export.export import export_hf_checkpoint
 
     model = _build_sharded(args, world)
-    base = _rss_mib()
     results = {}
 
     def timed(name, fn):
         dist.barrier()
-        hwm0 = _hwm_mib()
+        _reset_hwm()
+        rss0 = _rss_mib()
         t0 = time.perf_counter()
         nbytes = fn()
         dist.barrier()
         seconds = time.perf_counter() - t0
         results[name] = dict(seconds=round(seconds, 3), bytes=nbytes,
-                             peak_rss_growth_mib=round(max(0.0, _hwm_mib() - max(hwm0, base)), 1))
+                             peak_rss_growth_mib=round(max(0.0, _hwm_mib() - rss0), 1))
 
     def ours():
         r = export_hf_checkpoint(os.path.join(root, "ours"), model, max_shard_size=args.shard_size)

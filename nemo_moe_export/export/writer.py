@@ -80,29 +80,23 @@ def _pwrite_all(fd: int, data, offset: int) -> int:
     return done
 
 
-def _pwritev_all(fd: int, buffers: list, offset: int) -> int:
-    """Write adjacent buffers with as few syscalls as possible (``pwritev``), resuming short writes."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    total = sum(len(v) for v in views)
-    done = 0
-    while done < total:
-        # Skip what was written already; the first remaining buffer may be partial.
-        skip, rest = done, []
-        for v in views:
-            if skip >= len(v):
-                skip -= len(v)
-                continue
-            rest.append(v[skip:])
-            skip = 0
-        n = os.pwritev(fd, rest[:_IOV_MAX], offset + done)
-        if n <= 0:
-            raise OSError(f"pwritev wrote {n} bytes at offset {offset + done}")
-        done += n
-    return total
+_WRITE_SLICE = 8 << 20  # bytes per pwrite + fadvise: keeps writeback flowing without long inode holds
 
 
-_IOV_MAX = 1024
-_BATCH_BYTES = 64 << 20  # coalesce adjacent direct writes up to this size
+def _write_and_release(fd: int, data, offset: int, fadvise: bool) -> int:
+    """pwrite ``data`` at ``offset`` in slices; after each, hand the range to writeback.
+
+    Measured here (4 ranks, 1.4 GB): per-run writes of <= 8 MiB with ``POSIX_FADV_DONTNEED`` run
+    at the raw disk's speed, while coalescing runs into 64 MiB ``pwritev`` calls was 4-5x slower
+    (long inode-lock holds and large synchronous writeback submissions under contention).
+    """
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), _WRITE_SLICE):
+        part = view[start:start + _WRITE_SLICE]
+        _pwrite_all(fd, part, offset + start)
+        if fadvise:
+            os.posix_fadvise(fd, offset + start, len(part), os.POSIX_FADV_DONTNEED)
+    return len(view)
 
 
 @dataclass
@@ -117,11 +111,9 @@ class _Job:
 
 
 class _Pipeline:
-    """Feeds one writer thread; a fixed pool of staging buffers bounds the extra memory.
-
-    Direct jobs are written from the tensors' own memory, adjacent ones batched into one
-    ``pwritev``. Staged jobs are cast/copied into a free buffer chunk by chunk; the copy into one
-    buffer overlaps the write of the other.
+    """Direct jobs are written from the tensors' own memory, in the caller's thread. Staged jobs
+    are cast/copied into a free staging buffer chunk by chunk and written by one writer thread, so
+    the copy into one buffer overlaps the write of the other; the fixed buffer pool bounds memory.
     """
 
     def __init__(self, staging_bytes: int, n_buffers: int, pinned: bool, fadvise: bool) -> None:
@@ -134,12 +126,9 @@ class _Pipeline:
         self._cond = threading.Condition()
         self._pending: deque[Future] = deque()
 
-    def _write(self, fd: int, buffers: list, offset: int, buffer_id: int | None) -> int:
+    def _write(self, fd: int, data, offset: int, buffer_id: int | None) -> int:
         try:
-            n = _pwritev_all(fd, buffers, offset) if len(buffers) > 1 else _pwrite_all(fd, buffers[0], offset)
-            if self.fadvise:  # start writeback now; the final fsync then has little left to do
-                os.posix_fadvise(fd, offset, n, os.POSIX_FADV_DONTNEED)
-            return n
+            return _write_and_release(fd, data, offset, self.fadvise)
         finally:
             if buffer_id is not None:
                 with self._cond:
@@ -150,26 +139,14 @@ class _Pipeline:
         while self._pending and self._pending[0].done():
             self._pending.popleft().result()  # re-raise a write error in the caller
 
-    def _submit(self, fd: int, buffers: list, offset: int, buffer_id: int | None, keepalive=None) -> None:
+    def _submit(self, fd: int, data, offset: int, buffer_id: int) -> None:
         self._check()
-        future = self._pool.submit(self._write, fd, buffers, offset, buffer_id)
-        future.keepalive = keepalive  # the source tensors stay alive until written
-        self._pending.append(future)
+        self._pending.append(self._pool.submit(self._write, fd, data, offset, buffer_id))
 
-    def write_direct(self, jobs: list[_Job]) -> None:
-        """Write direct jobs, coalescing runs that are adjacent in the same file."""
-        jobs = sorted(jobs, key=lambda j: (j.fd, j.offset))
-        batch: list[_Job] = []
-        for job in jobs + [None]:
-            if batch and (
-                job is None or job.fd != batch[-1].fd or job.offset != batch[-1].offset + batch[-1].nbytes
-                or len(batch) >= _IOV_MAX or sum(j.nbytes for j in batch) >= _BATCH_BYTES
-            ):
-                sources = [j.source for j in batch]
-                self._submit(batch[0].fd, [_byte_view(t) for t in sources], batch[0].offset, None, sources)
-                batch = []
-            if job is not None:
-                batch.append(job)
+    def write_direct(self, job: _Job) -> None:
+        """Write a direct job from the tensor's own memory (a zero-copy byte view)."""
+        self._check()
+        _write_and_release(job.fd, _byte_view(job.source), job.offset, self.fadvise)
 
     def _take_buffer(self) -> int:
         with self._cond:
@@ -205,7 +182,7 @@ class _Pipeline:
             staged.view(dtype).view(chunk.shape).copy_(chunk, non_blocking=chunk.is_cuda)
             if chunk.is_cuda:
                 torch.cuda.current_stream(chunk.device).synchronize()
-            self._submit(job.fd, [staged.numpy()], offset + start * esize, buffer_id)
+            self._submit(job.fd, staged.numpy(), offset + start * esize, buffer_id)
             start += n
 
     def drain(self) -> None:
@@ -248,7 +225,6 @@ def write_pieces(
     pinned = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
     pipeline = _Pipeline(staging_bytes, n_buffers, pinned, fadvise)
     try:
-        direct: list[_Job] = []
         for piece in pieces:
             planned = plan.tensors[piece.key]
             if planned.file not in fds:
@@ -260,11 +236,10 @@ def write_pieces(
                 stats.runs += 1
                 stats.bytes_written += nbytes
                 if job.direct:
-                    direct.append(job)
+                    pipeline.write_direct(job)
                 else:
                     stats.staged_bytes += nbytes
                     pipeline.write_staged(job, planned.dtype)
-        pipeline.write_direct(direct)
         pipeline.drain()
         for fd in fds.values():
             os.fsync(fd)
