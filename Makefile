@@ -23,13 +23,14 @@ $(STAMP): pyproject.toml Makefile
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The recipe main job arrives with issue #5; until then the demo runs the adapter round trip on
-# 4 CPU ranks and prints its JSON report.
+# The main job on its embedded default: train a tiny DeepSeek-V3 MoE on 4 CPU ranks, evaluate MMLU,
+# export to Hugging Face format without a gather, verify and reload. Outputs in runs/deepseek_v3_tiny.
 demo: setup
-	HF_HUB_OFFLINE=1 $(PY) benchmarks/adapter_bench.py --world-size 4 --family deepseek_v3 --experts 10
+	HF_HUB_OFFLINE=1 $(PY) -m nemo_moe_export recipe=deepseek_v3_tiny --nproc 4
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/adapter_bench.py
+	HF_HUB_OFFLINE=1 $(PY) benchmarks/export_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,9 +1,11 @@
 """MMLU evaluation as lm-evaluation-harness defines it: data loading, prompts, tokenization, scoring.
 
-The pieces here are single-process and deterministic so they can be checked against lm-eval's
-definition in isolation; the distributed driver only shards questions and runs forwards.
+The pieces (data, prompts, scoring) are single-process and deterministic so they can be checked
+against lm-eval's definition in isolation; the distributed driver (:mod:`.evaluator`) only plans,
+shards and runs forwards, and :mod:`.callback` wraps it for training loops.
 """
 
+from nemo_moe_export.evaluate.callback import MMLUCallback, spread_subset
 from nemo_moe_export.evaluate.data import (
     CATEGORIES,
     SUBJECT_CATEGORIES,
@@ -12,6 +14,18 @@ from nemo_moe_export.evaluate.data import (
     group_by_subject,
     load_mmlu,
     require_dev_examples,
+)
+from nemo_moe_export.evaluate.evaluator import (
+    POLICIES,
+    SCORING_MODES,
+    MMLUResult,
+    MMLUStepError,
+    PreparedQuestions,
+    evaluate_mmlu,
+    phase_coordinator,
+    plan_batches,
+    plan_steps,
+    prepare_questions,
 )
 from nemo_moe_export.evaluate.prompts import (
     ANSWER_CONTINUATIONS,
@@ -34,6 +48,18 @@ from nemo_moe_export.evaluate.scoring import (
 
 __all__ = [
     "ANSWER_CONTINUATIONS",
+    "MMLUCallback",
+    "MMLUResult",
+    "MMLUStepError",
+    "POLICIES",
+    "PreparedQuestions",
+    "SCORING_MODES",
+    "evaluate_mmlu",
+    "phase_coordinator",
+    "plan_batches",
+    "plan_steps",
+    "prepare_questions",
+    "spread_subset",
     "CATEGORIES",
     "SUBJECT_CATEGORIES",
     "EncodedRequest",

@@ -48,9 +48,11 @@ __all__ = [
 
 LETTERS: tuple[str, str, str, str] = ("A", "B", "C", "D")
 SPLITS: tuple[str, ...] = ("dev", "validation", "test")
-_SPLIT_ALIASES = {"dev": "dev", "val": "validation", "validation": "validation", "test": "test"}
+_SPLIT_ALIASES = {"dev": "dev", "val": "validation", "validation": "validation", "test": "test",
+                  "train": "train", "auxiliary_train": "train"}
 # File/folder names each canonical split may appear under, in the order they are looked for.
-_SPLIT_FILE_NAMES = {"dev": ("dev",), "validation": ("val", "validation"), "test": ("test",)}
+_SPLIT_FILE_NAMES = {"dev": ("dev",), "validation": ("val", "validation"), "test": ("test",),
+                     "train": ("train", "auxiliary_train")}
 
 CATEGORIES: tuple[str, ...] = ("stem", "humanities", "social_sciences", "other")
 

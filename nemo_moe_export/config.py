@@ -1,0 +1,120 @@
+"""Typed configuration: the schemas behind the Hydra config groups in ``conf/``.
+
+Every group (``model``, ``parallel``, ``trainer``, ``mmlu``, ``export``, ``data``) is a dataclass
+registered in Hydra's ConfigStore, so Hydra itself checks types and rejects unknown keys (struct
+mode) with its own error messages, before any rank starts work. Recipes in ``recipes/`` pick a
+preset from each group and list the ordered ``stages`` to run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+__all__ = [
+    "DataConfig", "ExportConfig", "MMLUConfig", "ModelConfig", "ParallelConfig", "RecipeConfig",
+    "STAGES", "TrainerConfig", "register_configs",
+]
+
+STAGES = ("train", "mmlu", "export", "verify")
+
+
+@dataclass
+class ModelConfig:
+    """A tiny transformers MoE model built offline (``nemo_moe_export.tiny_models``)."""
+
+    family: str = MISSING  # deepseek_v3 | kimi_k2 | kimi_linear | qwen3_moe
+    n_experts: int = 6
+    hidden_size: int = 64
+    moe_intermediate_size: int = 32
+    num_layers: int = 2
+    seed: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is sharded over the ranks.
+
+    ``fsdp``: ``fully_shard`` over all ranks. ``hsdp``: ``fully_shard`` on a
+    (``replicate``, world / ``replicate``) mesh. ``ep``: experts split over EP groups of
+    ``ep_size`` ranks (all-to-all token routing), the rest replicated. ``ep_fsdp``: EP for experts
+    plus ``fully_shard`` of the dense part over all ranks.
+    """
+
+    strategy: str = "fsdp"
+    ep_size: int = 1
+    replicate: int = 1
+    timeout_s: float = 300.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    batch_size: int = 16  # per rank
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 10
+    grad_clip: float = 1.0
+    log_every: int = 10
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class MMLUConfig:
+    enabled: bool = True
+    data_path: Optional[str] = None  # None: the synthetic corpus the recipe writes
+    subjects: Optional[list[str]] = None
+    k_shot: int = 5
+    batch_size: int = 16
+    policy: str = "lockstep"  # lockstep | expert_dp
+    every_n_steps: Optional[int] = None
+    at_train_end: bool = True
+    max_questions: Optional[int] = None
+    timeout_s: float = 300.0
+
+
+@dataclass
+class ExportConfig:
+    output_dir: Optional[str] = None  # None: {run_dir}/hf
+    dtype: Optional[str] = None  # bfloat16 | float16 | float32 | None (keep)
+    max_shard_size: str = "5GB"
+    overwrite: str = "error"  # error | replace
+    filesystem: str = "shared"  # shared | local
+    from_checkpoint: Optional[str] = None  # run export/verify alone on a saved training checkpoint
+    timeout_s: float = 600.0
+
+
+@dataclass
+class DataConfig:
+    seed: int = 0
+    n_train: int = 400
+    n_dev: int = 5
+    n_test: int = 50
+    subjects: Optional[list[str]] = None
+
+
+@dataclass
+class RecipeConfig:
+    name: str = "recipe"
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    run_dir: str = "runs/${name}"
+    model: ModelConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    mmlu: MMLUConfig = MISSING
+    export: ExportConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra: ``schema`` for recipes, ``<group>/schema`` for presets."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="schema", node=RecipeConfig)
+    for group, node in (("model", ModelConfig), ("parallel", ParallelConfig), ("trainer", TrainerConfig),
+                        ("mmlu", MMLUConfig), ("export", ExportConfig)):
+        cs.store(group=group, name="schema", node=node)

@@ -1,0 +1,277 @@
+"""MMLU during training: a callback any training loop can call, on every rank.
+
+:class:`MMLUCallback` knows nothing about the trainer: the loop calls
+``on_step_end(step, model, tokenizer, layout)`` after each optimizer step and
+``on_train_end(model, tokenizer, layout)`` once at the end, on every rank (the evaluation is
+collective). Data is loaded and tokenized once, on the first evaluation, and reused; bad data,
+unknown subjects or a k larger than a subject's dev split raise
+:class:`~nemo_moe_export.errors.ExportInputError` there, on every rank, before any collective.
+
+On global rank 0 each evaluation writes, into ``output_dir``:
+
+* ``mmlu_results.json``: per-subject / per-category / overall accuracy with counts, per-question
+  predictions and scores, the policy, the parallel layout, timing, padding waste, and the history
+  of every evaluation so far;
+* ``mmlu_results.md``: the markdown table of :func:`~nemo_moe_export.evaluate.scoring.results_to_markdown`;
+* ``mmlu_categories.png``: a per-category bar chart, only when ``matplotlib`` is importable (it is
+  not a dependency; without it the chart is skipped silently and everything else is written).
+
+It also logs the metrics (``logging``, logger ``nemo_moe_export.evaluate.callback``), shows a
+progress bar (tqdm when importable, plain lines otherwise) and passes the flat metrics to
+``log_fn(metrics, step)`` if given (e.g. a wandb / TensorBoard writer). The flat metrics are also
+returned, on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.evaluate.data import Question, load_mmlu, normalize_split
+from nemo_moe_export.evaluate.evaluator import (
+    POLICIES,
+    SCORING_MODES,
+    MMLUResult,
+    PreparedQuestions,
+    default_max_length,
+    evaluate_mmlu,
+    phase_coordinator,
+    prepare_questions,
+)
+from nemo_moe_export.evaluate.scoring import results_to_markdown
+from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout
+
+__all__ = ["MMLUCallback", "spread_subset"]
+
+logger = logging.getLogger(__name__)
+
+RESULTS_JSON = "mmlu_results.json"
+RESULTS_MD = "mmlu_results.md"
+CATEGORY_PNG = "mmlu_categories.png"
+
+
+def spread_subset(questions: Sequence[Question], limit: int | None) -> list[Question]:
+    """At most ``limit`` questions, taken evenly across subjects (first of each subject, then second
+    of each, ...), in their original order. A cap that kept only the first subjects would turn a
+    quick check into a single-topic score."""
+    if limit is None or limit >= len(questions):
+        return list(questions)
+    chosen = sorted(range(len(questions)), key=lambda i: (questions[i].index, questions[i].subject))[:limit]
+    return [questions[i] for i in sorted(chosen)]
+
+
+class MMLUCallback:
+    """Evaluate MMLU every ``every_n_steps`` steps and/or at the end of training.
+
+    Arguments mirror :func:`~nemo_moe_export.evaluate.evaluator.evaluate_mmlu`; ``policy`` is
+    ``"lockstep"`` (default: batches over the whole data-parallel group, all ranks busy) or
+    ``"expert_dp"`` (EP peers share batches). ``max_questions`` caps the evaluated questions,
+    spread evenly over subjects (:func:`spread_subset`), for a quick in-training signal.
+    ``timeout_s`` bounds each agreement between ranks (see the evaluator's module docstring for
+    how it combines with the process groups' own timeouts).
+    """
+
+    def __init__(
+        self,
+        data_path: str | os.PathLike[str],
+        every_n_steps: int | None = None,
+        at_train_end: bool = True,
+        subjects: Sequence[str] | None = None,
+        k_shot: int = 5,
+        batch_size: int = 8,
+        policy: str = "lockstep",
+        output_dir: str | os.PathLike[str] = "mmlu_eval",
+        max_questions: int | None = None,
+        timeout_s: float = 600.0,
+        *,
+        split: str = "test",
+        scoring: str = "auto",
+        uniform_shapes: bool | None = None,
+        max_length: int | None = None,
+        progress: bool = True,
+        plot: bool = True,
+        log_fn: Callable[[dict[str, float], int | None], None] | None = None,
+    ) -> None:
+        _require(every_n_steps is None or (isinstance(every_n_steps, int) and every_n_steps >= 1),
+                 "every_n_steps", "None or an integer >= 1", every_n_steps)
+        _require(policy in POLICIES and policy != "naive", "policy", "'lockstep' or 'expert_dp'", policy)
+        _require(scoring in SCORING_MODES, "scoring", f"one of {list(SCORING_MODES)}", scoring)
+        _require(isinstance(k_shot, int) and k_shot >= 0, "k_shot", "an integer >= 0", k_shot)
+        _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size", "an integer >= 1", batch_size)
+        _require(max_questions is None or (isinstance(max_questions, int) and max_questions >= 1),
+                 "max_questions", "None or an integer >= 1", max_questions)
+        _require(timeout_s > 0, "timeout_s", "> 0", timeout_s)
+        self.data_path = Path(data_path)
+        self.split = normalize_split(split)
+        _require(self.split != "dev", "split", "'test' or 'validation' (dev is the few-shot pool)", split)
+        self.every_n_steps, self.at_train_end = every_n_steps, at_train_end
+        self.subjects = list(subjects) if subjects is not None else None
+        self.k_shot, self.batch_size, self.policy, self.scoring = k_shot, batch_size, policy, scoring
+        self.output_dir = Path(output_dir)
+        self.max_questions, self.timeout_s = max_questions, timeout_s
+        self.uniform_shapes, self.max_length = uniform_shapes, max_length
+        self.progress, self.plot, self.log_fn = progress, plot, log_fn
+        self.history: list[dict[str, Any]] = []
+        self.last_result: MMLUResult | None = None
+        self._last_step: int | None = None
+        self._data: tuple[list[Question], list[Question]] | None = None
+        self._prepared: tuple[tuple[int, int], PreparedQuestions] | None = None
+        self._coordinators: dict[tuple[int, ...], Coordinator] = {}
+
+    # --- hooks ------------------------------------------------------------------------------------
+
+    def should_evaluate(self, step: int) -> bool:
+        return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
+
+    def on_step_end(self, step: int, model: Any, tokenizer: Any,
+                    layout: ParallelLayout | None = None) -> dict[str, float] | None:
+        """Evaluate when ``step`` is a multiple of ``every_n_steps``; the flat metrics, else None."""
+        if not self.should_evaluate(step):
+            return None
+        return self.evaluate(model, tokenizer, layout, step=step)
+
+    def on_train_end(self, model: Any, tokenizer: Any, layout: ParallelLayout | None = None,
+                     step: int | None = None) -> dict[str, float] | None:
+        """Final evaluation (unless disabled, or the last step was just evaluated)."""
+        if not self.at_train_end:
+            return None
+        if step is not None and step == self._last_step and self.history:
+            return self.history[-1]["metrics"]
+        return self.evaluate(model, tokenizer, layout, step=step)
+
+    # --- evaluation -------------------------------------------------------------------------------
+
+    def evaluate(self, model: Any, tokenizer: Any, layout: ParallelLayout | None = None, *,
+                 step: int | None = None) -> dict[str, float]:
+        """One collective evaluation; every rank gets the same metrics back."""
+        layout = layout if layout is not None else discover_layout()
+        prepared = self._prepare(model, tokenizer)  # bad input raises here, before any collective
+        coordinator = self._coordinator(layout)
+        result = evaluate_mmlu(
+            model, tokenizer, prepared, layout=layout, batch_size=self.batch_size, policy=self.policy,
+            uniform_shapes=self.uniform_shapes, timeout_s=self.timeout_s, coordinator=coordinator,
+            progress=self.progress,
+        )
+        metrics = result.flat_metrics()
+        self.last_result, self._last_step = result, step
+        self.history.append({"step": step, "metrics": metrics})
+        self._publish(result, metrics, step, coordinator)
+        return metrics
+
+    def _prepare(self, model: Any, tokenizer: Any) -> PreparedQuestions:
+        """Load and tokenize once per (tokenizer, max_length); deterministic, so equal on all ranks."""
+        if self._data is None:
+            loaded = load_mmlu(self.data_path, splits=("dev", self.split), subjects=self.subjects)
+            dev = [q for q in loaded if q.split == "dev"]
+            evaluated = spread_subset([q for q in loaded if q.split == self.split], self.max_questions)
+            self._data = (dev, evaluated)
+        max_length = self.max_length or default_max_length(model, tokenizer)
+        key = (id(tokenizer), max_length)
+        if self._prepared is None or self._prepared[0] != key:
+            dev, evaluated = self._data
+            prepared = prepare_questions(
+                tokenizer, evaluated, dev, k_shot=self.k_shot, max_length=max_length, scoring=self.scoring,
+                vocab_size=getattr(getattr(model, "config", None), "vocab_size", None))
+            self._prepared = (key, prepared)
+        return self._prepared[1]
+
+    def _coordinator(self, layout: ParallelLayout) -> Coordinator:
+        """One coordinator per DP group, reused (creating one may create a process group)."""
+        key = tuple(layout.dp.ranks)
+        if key not in self._coordinators:
+            self._coordinators[key] = phase_coordinator(layout, timeout_s=self.timeout_s, name="mmlu")
+        return self._coordinators[key]
+
+    # --- output -----------------------------------------------------------------------------------
+
+    def _publish(self, result: MMLUResult, metrics: dict[str, float], step: int | None,
+                 coordinator: Coordinator) -> None:
+        """Rank 0 writes files and logs; every rank learns whether writing worked."""
+        error: BaseException | None = None
+        if _is_global_rank0():
+            try:
+                self.write_outputs(result, step)
+                _log_summary(result, step)
+                if self.log_fn is not None:
+                    self.log_fn(metrics, step)
+            except Exception as exc:  # reported on every rank by the agreement
+                error = exc
+        try:
+            coordinator.agree("write results", error)
+        except PeerError as exc:
+            raise PeerError(f"MMLU results could not be published: {exc}", step=exc.step, ranks=exc.ranks) from exc
+
+    def write_outputs(self, result: MMLUResult, step: int | None) -> dict[str, Path]:
+        """Write the JSON, markdown and (if matplotlib is importable) PNG files; their paths."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "step": step, "data_path": str(self.data_path), "split": self.split, "k_shot": self.k_shot,
+            "policy": result.policy, "layout": result.layout, "timing": result.timing,
+            "padding": result.padding, "scoring": result.scoring, "steps": result.steps,
+            "results": result.metrics, "metrics": result.flat_metrics(), "predictions": result.records,
+            "history": self.history,
+        }
+        paths = {"json": self.output_dir / RESULTS_JSON, "markdown": self.output_dir / RESULTS_MD}
+        _write_atomic(paths["json"], json.dumps(payload, indent=1) + "\n")
+        header = (f"## MMLU ({self.k_shot}-shot{'' if step is None else f', step {step}'})\n\n"
+                  f"policy `{result.policy}`, {result.timing['questions_per_s']:.1f} questions/s, "
+                  f"padding waste {100 * result.padding['waste']:.1f}%\n\n")
+        _write_atomic(paths["markdown"], header + results_to_markdown(result.metrics))
+        if self.plot and _plot_categories(result.metrics, self.output_dir / CATEGORY_PNG, step):
+            paths["png"] = self.output_dir / CATEGORY_PNG
+        return paths
+
+
+def _require(ok: bool, key: str, expected: str, actual: Any) -> None:
+    if not ok:
+        raise ExportInputError("bad MMLUCallback argument", key=key, expected=expected, actual=repr(actual))
+
+
+def _is_global_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Readers (a dashboard tailing the file) never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _log_summary(result: MMLUResult, step: int | None) -> None:
+    overall = result.metrics["overall"]
+    cats = ", ".join(f"{c} {100 * e['acc']:.2f}" for c, e in result.metrics["categories"].items())
+    logger.info("MMLU%s: acc %.2f%% (%d/%d; %s) | %s, %.1f questions/s, padding waste %.1f%%",
+                "" if step is None else f" at step {step}", 100 * overall["acc"], overall["correct"],
+                overall["n"], cats, result.policy, result.timing["questions_per_s"], 100 * result.padding["waste"])
+
+
+def _plot_categories(metrics: dict[str, Any], path: Path, step: int | None) -> bool:
+    """Per-category accuracy bars; False (nothing written) when matplotlib is not importable."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [*metrics["categories"], "overall"]
+    values = [100 * e["acc"] for e in metrics["categories"].values()] + [100 * metrics["overall"]["acc"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(names, values, color=["tab:blue"] * (len(names) - 1) + ["tab:gray"])
+    ax.axhline(25.0, color="tab:red", linestyle="--", linewidth=1, label="chance (25%)")
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title("MMLU by category" + ("" if step is None else f" (step {step})"))
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -1,0 +1,9 @@
+"""Thin, import-guarded adapters from training frameworks to the plugin's hooks (``recipe/hooks.py``).
+
+* ``nemo``            NeMo 2 / Lightning: :class:`MoEExportCallback` (``nemo.lightning.base_callback.BaseCallback``)
+* ``megatron_bridge`` Megatron-Bridge: :func:`megatron_bridge_callback` (``megatron.bridge.training.callbacks.Callback``)
+* ``automodel``       NeMo AutoModel: :class:`MoEExportRecipeMixin` for a recipe subclass
+* ``nemo_run``        NeMo-Run: the launcher job (``nemo-moe-export launch``)
+
+Each module imports its framework only when used, and says what to install when it is missing.
+"""

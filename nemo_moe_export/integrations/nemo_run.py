@@ -1,0 +1,74 @@
+"""NeMo-Run launcher job: ``nemo-moe-export launch [recipe=NAME] [overrides] [--nproc N] [--slurm ...]``.
+
+Locally it runs the recipe main job through ``run.Script`` with a torchrun ``LocalExecutor``:
+
+    import nemo_run as run
+    task = run.Script(path="nemo_moe_export", m=True, entrypoint="python",
+                      args=["recipe=deepseek_v3_tiny", "trainer.max_steps=300"])
+    with run.Experiment("moe-export") as exp:
+        exp.add(task, executor=run.LocalExecutor(ntasks_per_node=4, launcher="torchrun"))
+        exp.run(sequential=True, detach=False, tail_logs=True)
+
+On a cluster, swap the executor for a ``run.SlurmExecutor`` (see :func:`slurm_executor`). The config
+is composed and validated here first (Hydra's own errors), so a typo fails before anything is queued.
+Needs ``pip install nemo-run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from nemo_moe_export.integrations._common import missing
+
+__all__ = ["launch_main", "local_executor", "recipe_task", "slurm_executor"]
+
+
+def _run() -> Any:
+    try:
+        import nemo_run as run
+    except ImportError as exc:
+        raise missing("NeMo-Run", "pip install nemo-run") from exc
+    return run
+
+
+def recipe_task(recipe: str, overrides: list[str]) -> Any:
+    """The recipe main job as a ``run.Script`` (``python -m nemo_moe_export recipe=... overrides``)."""
+    return _run().Script(path="nemo_moe_export", m=True, entrypoint="python", args=[f"recipe={recipe}", *overrides])
+
+
+def local_executor(nproc: int, job_dir: str = "") -> Any:
+    return _run().LocalExecutor(ntasks_per_node=nproc, launcher="torchrun", job_dir=job_dir)
+
+
+def slurm_executor(*, account: str, partition: str, nodes: int, gpus_per_node: int, time: str = "04:00:00",
+                   container_image: str | None = None, **kwargs: Any) -> Any:
+    """A ``run.SlurmExecutor`` for clusters, one task per GPU, torchrun inside each node."""
+    run = _run()
+    return run.SlurmExecutor(account=account, partition=partition, nodes=nodes, ntasks_per_node=gpus_per_node,
+                             gpus_per_node=gpus_per_node, time=time, container_image=container_image,
+                             launcher="torchrun", **kwargs)
+
+
+def launch_main(argv: list[str]) -> int:
+    from nemo_moe_export.cli import load_config, split_recipe_args
+
+    parser = argparse.ArgumentParser(prog="nemo-moe-export launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--name", default="nemo-moe-export")
+    parser.add_argument("--job-dir", default="")
+    parser.add_argument("--slurm-account")
+    parser.add_argument("--slurm-partition")
+    parser.add_argument("--nodes", type=int, default=1)
+    known, rest = parser.parse_known_args(argv)
+    recipe, overrides, nproc = split_recipe_args(rest)
+    load_config(recipe, overrides)  # validate now: Hydra's errors before anything is launched
+    run = _run()
+    if known.slurm_account:
+        executor = slurm_executor(account=known.slurm_account, partition=known.slurm_partition,
+                                  nodes=known.nodes, gpus_per_node=nproc or 8)
+    else:
+        executor = local_executor(nproc or 1, known.job_dir)
+    with run.Experiment(known.name, base_dir=known.job_dir or None) as exp:
+        exp.add(recipe_task(recipe, overrides), executor=executor, name=recipe)
+        exp.run(sequential=True, detach=False, tail_logs=True)
+    return 0

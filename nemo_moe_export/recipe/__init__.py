@@ -1,0 +1,1 @@
+"""Recipe glue: stages, hooks, the reference trainer and the synthetic corpus."""

@@ -1,0 +1,273 @@
+"""Run a recipe: ordered stages ``train -> mmlu -> export -> verify`` on every rank.
+
+Data flow, from a recipe YAML to the bytes on disk:
+
+1. ``setup``  : process group (under torchrun), ``run_dir``, the synthetic MMLU corpus (rank 0 writes
+               it unless ``mmlu.data_path`` is given), the word-level tokenizer, the model built
+               from ``model`` and sharded as ``parallel`` says (or restored from
+               ``export.from_checkpoint``), and the hooks: adapter, MMLU callback, export step.
+2. ``train``  : ``recipe/trainer.py``; the MMLU hook runs every ``mmlu.every_n_steps``; a sharded
+               torch DCP training checkpoint is saved to ``{run_dir}/checkpoint``.
+3. ``mmlu``   : the MMLU callback at the end of training (``evaluate/``).
+4. ``export`` : ``export_hf_checkpoint`` writes ``{run_dir}/hf`` (``export/``), no gather.
+5. ``verify`` : ``verify_checkpoint`` from the bytes, then a fresh process reloads the checkpoint
+               with ``transformers`` and re-evaluates MMLU; its accuracy must equal the trained
+               model's.
+
+Everything a run produces stays in ``run_dir``: config, logs, results JSON, checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, is_dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_moe_export.config import STAGES
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.parallel import dist_info
+
+__all__ = ["check_stages", "run_recipe"]
+
+
+def check_stages(cfg: Any) -> list[str]:
+    """Stages must be known, unique and in pipeline order; a stage run alone must have its inputs."""
+    stages = list(cfg.stages)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ExportInputError("unknown stage", key="stages", expected=f"a subset of {list(STAGES)}",
+                               actual=unknown)
+    if len(set(stages)) != len(stages) or stages != sorted(stages, key=STAGES.index):
+        raise ExportInputError("stages must be unique and in pipeline order", key="stages",
+                               expected=[s for s in STAGES if s in stages], actual=stages)
+    if "train" not in stages and {"mmlu", "export"} & set(stages) and not cfg.export.from_checkpoint:
+        raise ExportInputError(
+            "mmlu/export without train need a trained checkpoint", key="export.from_checkpoint",
+            expected="a checkpoint directory written by the train stage ({run_dir}/checkpoint)", actual=None,
+            hint="run with stages=[export] export.from_checkpoint=runs/<name>/checkpoint",
+        )
+    return stages
+
+
+def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    logger = logging.getLogger(f"nemo_moe_export.recipe.rank{rank}")
+    logger.setLevel(logging.INFO)
+    logger.handlers.clear()
+    fh = logging.FileHandler(os.path.join(run_dir, "logs", f"rank{rank}.log"))
+    fh.setFormatter(logging.Formatter("%(asctime)s rank%(name)s %(message)s".replace("%(name)s", str(rank))))
+    logger.addHandler(fh)
+    if rank == 0:
+        sh = logging.StreamHandler(sys.stdout)
+        sh.setFormatter(logging.Formatter("[nemo-moe-export] %(message)s"))
+        logger.addHandler(sh)
+    logger.propagate = False
+    return logger
+
+
+def _to_plain(cfg: Any) -> Any:
+    from omegaconf import OmegaConf
+
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _init_distributed(timeout_s: float) -> None:
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def run_recipe(cfg: Any) -> dict[str, Any]:
+    """Run ``cfg.stages`` on every rank; returns (on every rank) the results summary."""
+    stages = check_stages(cfg)
+    _init_distributed(cfg.parallel.timeout_s)
+    torch.manual_seed(cfg.trainer.seed)
+    info = dist_info()
+    run_dir = os.path.abspath(cfg.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    log = _setup_logging(run_dir, info.rank)
+    if info.rank == 0:
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(_to_plain(cfg), f, indent=2)
+    log.info(f"recipe {cfg.name}: stages {stages}, {info.world_size} rank(s), run dir {run_dir}")
+
+    ctx, hooks, mmlu_callback = _setup(cfg, run_dir, info, log)
+    results: dict[str, Any] = ctx.results
+    checkpoint = os.path.join(run_dir, "checkpoint")
+
+    if "train" in stages:
+        from nemo_moe_export.recipe.trainer import train
+
+        class _StepHooks:  # the trainer's per-step callback, routed through the hook list
+            def on_step_end(self, step: int, model: Any) -> None:
+                hooks.on_step_end(ctx, step)
+
+        state = train(ctx.model, ctx.layout, ctx.tokenizer, ctx.data_root, cfg.trainer, k_shot=cfg.mmlu.k_shot,
+                      hooks=_StepHooks(), log=log.info)
+        results["train"] = {"steps": state.step, "first_loss": state.losses[0], "last_loss": state.losses[-1],
+                            "seconds": round(state.seconds, 2)}
+        _save_checkpoint(ctx, checkpoint)
+        log.info(f"trained {state.step} steps in {state.seconds:.1f} s: loss {state.losses[0]:.3f} -> "
+                 f"{state.losses[-1]:.3f}; checkpoint {checkpoint}")
+    if "mmlu" in stages and mmlu_callback is not None:
+        mmlu_callback.evaluate(ctx.model, ctx.tokenizer, ctx.layout, step=results.get("train", {}).get("steps"))
+        results["mmlu"] = mmlu_callback.last_result.metrics
+        results["mmlu_predictions"] = mmlu_callback.last_result.predictions
+    if "export" in stages:
+        export_result = _export_step(cfg, run_dir)(ctx.model, tokenizer=ctx.tokenizer)
+        results["export"] = {"path": export_result.path, "files": export_result.files,
+                             "bytes": export_result.checkpoint_bytes, "seconds": export_result.seconds}
+        log.info(f"exported {export_result.checkpoint_bytes / 1e6:.1f} MB in {export_result.files} files "
+                 f"to {export_result.path} in {export_result.seconds:.2f} s")
+    if "verify" in stages:
+        results["verify"] = _verify(cfg, run_dir, ctx, results, info, log)
+    if info.rank == 0:
+        with open(os.path.join(run_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=2, default=str)
+        log.info(_summary(results, run_dir))
+    if info.initialized:
+        dist.barrier()
+    return results
+
+
+def _setup(cfg: Any, run_dir: str, info: Any, log: Any) -> tuple[Any, Any, Any]:
+    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+    from nemo_moe_export.recipe.hooks import AdapterHook, HookList, MMLUHook, RecipeContext
+    from nemo_moe_export.recipe.trainer import build_model, shard_model
+
+    data_root = cfg.mmlu.data_path or os.path.join(run_dir, "data")
+    if cfg.mmlu.data_path is None and info.rank == 0:
+        write_synthetic_mmlu(data_root, seed=cfg.data.seed, n_train=cfg.data.n_train, n_dev=cfg.data.n_dev,
+                             n_test=cfg.data.n_test, subjects=cfg.data.subjects)
+    if info.initialized:
+        dist.barrier()
+    from_checkpoint = cfg.export.from_checkpoint
+    if from_checkpoint:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(from_checkpoint, "tokenizer"))
+    else:
+        tokenizer = build_tokenizer(data_root)
+    model = build_model(cfg.model, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
+    model, layout = shard_model(model, cfg.parallel)
+    if from_checkpoint:
+        import torch.distributed.checkpoint as dcp
+
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=from_checkpoint)
+        log.info(f"restored the model from {from_checkpoint}")
+    ctx = RecipeContext(model=model, layout=layout, tokenizer=tokenizer, run_dir=run_dir, data_root=data_root)
+    hooks = [AdapterHook()]
+    mmlu_callback = None
+    if cfg.mmlu.enabled:
+        from nemo_moe_export.evaluate.callback import MMLUCallback
+
+        mmlu_callback = MMLUCallback(
+            data_root, every_n_steps=cfg.mmlu.every_n_steps, at_train_end=False,
+            subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None, k_shot=cfg.mmlu.k_shot,
+            batch_size=cfg.mmlu.batch_size, policy=cfg.mmlu.policy, output_dir=os.path.join(run_dir, "mmlu"),
+            max_questions=cfg.mmlu.max_questions, timeout_s=cfg.mmlu.timeout_s,
+        )
+        hooks.append(MMLUHook(mmlu_callback))
+    hook_list = HookList(hooks)
+    hook_list.on_setup(ctx)
+    return ctx, hook_list, mmlu_callback
+
+
+def _save_checkpoint(ctx: Any, path: str) -> None:
+    """A sharded torch DCP checkpoint of the model plus the tokenizer: what ``from_checkpoint`` reads."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(ctx.model.state_dict(), checkpoint_id=path)
+    if dist_info().rank == 0:
+        ctx.tokenizer.save_pretrained(os.path.join(path, "tokenizer"))
+    if dist_info().initialized:
+        dist.barrier()
+
+
+def _export_step(cfg: Any, run_dir: str) -> Any:
+    from nemo_moe_export.export import ExportStep
+
+    return ExportStep(
+        output_dir=cfg.export.output_dir or os.path.join(run_dir, "hf"), dtype=cfg.export.dtype,
+        max_shard_size=cfg.export.max_shard_size, overwrite=cfg.export.overwrite, timeout_s=cfg.export.timeout_s,
+        filesystem=cfg.export.filesystem,
+    )
+
+
+def _verify(cfg: Any, run_dir: str, ctx: Any, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
+    """Bytes-level verify, then a fresh single process reloads with transformers and re-evaluates."""
+    from nemo_moe_export.export import verify_checkpoint
+
+    path = cfg.export.output_dir or os.path.join(run_dir, "hf")
+    outcome: dict[str, Any] = {"path": path}
+    if info.rank == 0:
+        report = verify_checkpoint(path)
+        outcome.update(ok=report.ok, summary=report.summary())
+        log.info(report.summary())
+        if report.ok and cfg.mmlu.enabled:
+            out = os.path.join(run_dir, "reload_mmlu.json")
+            cmd = [sys.executable, "-m", "nemo_moe_export.recipe.reload", path, ctx.data_root, out,
+                   "--k-shot", str(cfg.mmlu.k_shot), "--batch-size", str(cfg.mmlu.batch_size)]
+            if cfg.mmlu.max_questions:
+                cmd += ["--max-questions", str(cfg.mmlu.max_questions)]
+            if cfg.mmlu.subjects:
+                cmd += ["--subjects", *cfg.mmlu.subjects]
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if proc.returncode != 0:
+                outcome.update(ok=False, reload_error=proc.stderr[-4000:])
+            else:
+                with open(out) as f:
+                    reloaded = json.load(f)
+                trained = (results.get("mmlu") or {}).get("overall", {})
+                outcome["reloaded_accuracy"] = reloaded["overall"]["acc"]
+                outcome["reload_seconds"] = round(time.perf_counter() - t0, 2)
+                if trained:
+                    outcome["trained_accuracy"] = trained.get("acc")
+                    outcome["same_accuracy"] = trained.get("acc") == reloaded["overall"]["acc"]
+                    outcome["same_predictions"] = results.get("mmlu_predictions") == reloaded["predictions"]
+                    outcome["ok"] = outcome["ok"] and outcome["same_accuracy"] and outcome["same_predictions"]
+    if info.initialized:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    if not outcome.get("ok"):
+        raise RuntimeError(f"verify stage failed: {json.dumps(outcome, indent=2, default=str)}")
+    return outcome
+
+
+def _summary(results: dict[str, Any], run_dir: str) -> str:
+    lines = ["", "=" * 72, "summary"]
+    if "train" in results:
+        t = results["train"]
+        lines.append(f"  train  : {t['steps']} steps, loss {t['first_loss']:.3f} -> {t['last_loss']:.3f} "
+                     f"({t['seconds']} s)")
+    mmlu = results.get("mmlu")
+    if mmlu:
+        from nemo_moe_export.evaluate.scoring import results_to_markdown
+
+        lines.append(f"  mmlu   : overall acc {mmlu['overall']['acc']:.3f} ({mmlu['overall'].get('n', '?')} "
+                     "held-out questions)")
+        lines.append(results_to_markdown(mmlu))
+    if "export" in results:
+        e = results["export"]
+        lines.append(f"  export : {e['path']} ({e['bytes'] / 1e6:.1f} MB, {e['files']} files, {e['seconds']} s)")
+    if "verify" in results:
+        v = results["verify"]
+        extra = (f", reloaded acc {v['reloaded_accuracy']:.3f} == trained {v.get('trained_accuracy')}"
+                 if "reloaded_accuracy" in v else "")
+        lines.append(f"  verify : {'OK' if v.get('ok') else 'FAILED'}{extra}")
+    lines.append(f"  run dir: {run_dir}")
+    lines.append("=" * 72)
+    return "\n".join(lines)

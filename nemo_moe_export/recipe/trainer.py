@@ -1,0 +1,199 @@
+"""The reference trainer of the embedded recipe: a tiny transformers MoE, really sharded, really trained.
+
+It exists so the plugin's hooks run inside a genuine distributed training loop on CPU ranks:
+``fully_shard`` (FSDP / HSDP), real expert parallelism (all-to-all routing), or both. It trains on
+the synthetic multiple-choice corpus (``recipe/data.py``) formatted exactly as the MMLU evaluation
+will see it, with the loss on the answer letter only.
+
+Gradient averaging: FSDP2 averages the gradients of the parameters it shards over its mesh. What
+it does not shard is averaged here: replicated dense parameters over the world, expert-parallel
+experts over their expert-data-parallel group (each expert already sums the gradients of every
+token routed to it from its EP peers), both divided by the world size, so every strategy optimises
+the same global mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from nemo_moe_export.config import ModelConfig, ParallelConfig, TrainerConfig
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.parallel import ParallelLayout, dist_info
+
+__all__ = ["TrainState", "build_model", "shard_model", "train"]
+
+STRATEGIES = ("fsdp", "hsdp", "ep", "ep_fsdp")
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int | None = None) -> Any:
+    """The unsharded model, identical on every rank (same seed)."""
+    from nemo_moe_export.tiny_models import tiny_model
+
+    family = "deepseek_v3" if cfg.family == "kimi_k2" else cfg.family
+    extra = {"pad_token_id": pad_token_id, "bos_token_id": 1, "eos_token_id": 2} if family == "kimi_linear" else {}
+    return tiny_model(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
+                      moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
+                      vocab_size=vocab_size, seed=cfg.seed, **extra)
+
+
+def shard_model(model: Any, cfg: ParallelConfig) -> tuple[Any, ParallelLayout]:
+    """Shard ``model`` in place as ``cfg.strategy`` says; returns it with its parallel layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nemo_moe_export.parallel import discover_layout, init_expert_parallel
+
+    info = dist_info()
+    world = info.world_size
+    if cfg.strategy not in STRATEGIES:
+        raise ExportInputError("unknown parallel strategy", key="parallel.strategy", expected=STRATEGIES,
+                               actual=repr(cfg.strategy))
+    if not info.initialized:
+        return model, discover_layout()
+    if cfg.strategy in ("fsdp", "hsdp"):
+        if cfg.strategy == "hsdp":
+            if cfg.replicate < 1 or world % cfg.replicate:
+                raise ExportInputError("HSDP replicas must divide the world", key="parallel.replicate",
+                                       expected=f"a divisor of {world}", actual=cfg.replicate)
+            mesh = init_device_mesh("cpu", (cfg.replicate, world // cfg.replicate),
+                                    mesh_dim_names=("dp_replicate", "dp_shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, discover_layout(mesh)
+
+    from nemo_moe_export.expert_parallel import apply_expert_parallel
+
+    layout = init_expert_parallel(cfg.ep_size, timeout_s=cfg.timeout_s)
+    apply_expert_parallel(model, layout)
+    if cfg.strategy == "ep_fsdp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        experts = {p for p in model.parameters() if isinstance(p, DTensor)}
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=experts)
+        fully_shard(model, mesh=mesh, ignored_params=experts)
+    return model, layout
+
+
+def _sync_unsharded_grads(model: Any, layout: ParallelLayout, world: int) -> None:
+    """Average what FSDP2 does not: plain replicated params over the world, EP experts over edp."""
+    if world == 1:
+        return
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if isinstance(p, DTensor):
+            if p.device_mesh.mesh_dim_names and "ep" in p.device_mesh.mesh_dim_names:
+                grad = p.grad.to_local()
+                if layout.edp.size > 1:
+                    dist.all_reduce(grad, group=layout.edp.group)
+                grad.div_(world)
+            continue  # FSDP-managed: already averaged by reduce-scatter
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
+def _training_examples(data_root: str, tokenizer: Any, k_shot: int) -> list[list[int]]:
+    """Token ids of every training question, formatted as the MMLU evaluation formats it."""
+    from nemo_moe_export.evaluate.data import load_mmlu
+    from nemo_moe_export.evaluate.prompts import build_prompt, select_fewshot
+
+    dev = load_mmlu(data_root, splits=("dev",))
+    train = load_mmlu(data_root, splits=("train",))
+    by_subject: dict[str, list] = {}
+    for q in dev:
+        by_subject.setdefault(q.subject, []).append(q)
+    examples = []
+    for q in train:
+        prompt = build_prompt(q, select_fewshot(by_subject.get(q.subject, []), k_shot, q))
+        examples.append(tokenizer(prompt + " " + "ABCD"[q.answer])["input_ids"])
+    return examples
+
+
+def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cfg: TrainerConfig, *,
+          k_shot: int = 1, hooks: Any = None, log: Any = print) -> TrainState:
+    """Train with AdamW, loss on the answer letter only; calls ``hooks.on_step_end`` every step."""
+    info = dist_info()
+    examples = _training_examples(data_root, tokenizer, k_shot)
+    if not examples:
+        raise ExportInputError("no training questions", key=data_root, expected="train/*_train.csv", actual=0)
+    rng = random.Random(cfg.seed * 7919 + info.rank)  # each rank its own stream of examples
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))
+                                                 * 0.5 * (1 + math.cos(math.pi * min(s, cfg.max_steps) / cfg.max_steps)))
+    pad = tokenizer.pad_token_id
+    state = TrainState()
+    progress = _progress(cfg.max_steps, enabled=cfg.progress and info.rank == 0)
+    start = time.perf_counter()
+    model.train()
+    for step in range(1, cfg.max_steps + 1):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
+        width = max(len(x) for x in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        for i, x in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
+            labels[i, len(x) - 1] = x[-1]  # the answer letter
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        _sync_unsharded_grads(model, layout, info.world_size)
+        optimizer.step()
+        schedule.step()
+        value = loss.detach().clone()
+        if info.initialized and info.world_size > 1:
+            dist.all_reduce(value)
+            value /= info.world_size
+        state.step, state.losses = step, state.losses + [float(value)]
+        progress.update(step, float(value))
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            log(f"step {step}/{cfg.max_steps} loss {float(value):.4f} lr {schedule.get_last_lr()[0]:.2e}")
+        if hooks is not None:
+            hooks.on_step_end(step, model)
+    progress.close()
+    state.seconds = time.perf_counter() - start
+    model.eval()
+    return state
+
+
+class _progress:
+    """A tqdm bar on rank 0 when tqdm is importable; nothing elsewhere."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="train", leave=False, dynamic_ncols=True, mininterval=2.0)
+            except ImportError:
+                self.bar = None
+
+    def update(self, step: int, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
