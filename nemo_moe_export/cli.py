@@ -61,8 +61,12 @@ def load_config(recipe: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, 
 
     _check_recipe(recipe)
     register_configs()
+    from nemo_moe_export.config import validate_config
+
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
-        return compose(config_name=recipe, overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *overrides])
+        cfg = compose(config_name=recipe, overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *overrides])
+    validate_config(cfg)
+    return cfg
 
 
 def _hydra_main(recipe: str, overrides: list[str]) -> int:
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     recipe, overrides, nproc = split_recipe_args(argv)
+    if os.environ.get("NEMO_MOE_EXPORT_OVERRIDES"):  # set by the NeMo-Run job (integrations/nemo_run.py)
+        import json
+
+        overrides += json.loads(os.environ["NEMO_MOE_EXPORT_OVERRIDES"])
     _check_recipe(recipe)
     if nproc and "LOCAL_RANK" not in os.environ:
         return _relaunch_with_torchrun(nproc, [f"recipe={recipe}", *overrides])

@@ -8,14 +8,14 @@ preset from each group and list the ordered ``stages`` to run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
 __all__ = [
     "DataConfig", "ExportConfig", "MMLUConfig", "ModelConfig", "ParallelConfig", "RecipeConfig",
-    "STAGES", "TrainerConfig", "register_configs",
+    "STAGES", "TrainerConfig", "register_configs", "validate_config",
 ]
 
 STAGES = ("train", "mmlu", "export", "verify")
@@ -107,6 +107,35 @@ class RecipeConfig:
     mmlu: MMLUConfig = MISSING
     export: ExportConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)
+
+
+def validate_config(cfg: Any, schema: type = None, prefix: str = "") -> None:
+    """Refuse keys the schemas do not declare.
+
+    Hydra rejects ``trainer.typo=1`` itself, but its ``+trainer.typo=1`` append syntax opens the
+    node on purpose; a key no code reads would then be silently ignored, so it is refused here.
+    """
+    from omegaconf import DictConfig
+
+    from nemo_moe_export.errors import ExportInputError
+
+    schema = schema or RecipeConfig
+    declared = {f.name: f for f in fields(schema)}
+    for key in cfg.keys():
+        name = f"{prefix}{key}"
+        if key not in declared:
+            raise ExportInputError("unknown config key", key=name, expected=f"one of {sorted(declared)}",
+                                   actual=repr(key), hint="check the spelling; the schemas are in nemo_moe_export/config.py")
+        node = cfg.get(key)
+        nested = _dataclass_type(declared[key].type)
+        if nested is not None and isinstance(node, DictConfig):
+            validate_config(node, nested, prefix=f"{name}.")
+
+
+def _dataclass_type(annotation: Any) -> type | None:
+    hints = {"ModelConfig": ModelConfig, "ParallelConfig": ParallelConfig, "TrainerConfig": TrainerConfig,
+             "MMLUConfig": MMLUConfig, "ExportConfig": ExportConfig, "DataConfig": DataConfig}
+    return hints.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
 
 
 def register_configs() -> None:

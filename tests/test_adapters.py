@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from nemo_moe_export.adapters import get_adapter, supported_model_types
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.tiny_models import tiny_model
-from layouts import to_grouped_layout
+from checks import to_grouped_layout
 
 
 @pytest.fixture(scope="module")

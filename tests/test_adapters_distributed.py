@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from layouts import to_grouped_layout
+from checks import assert_pieces_tile_reference, to_grouped_layout
 from nemo_moe_export.spawn import spawn
 
 
@@ -159,23 +159,8 @@ def _check(case, workdir, per_rank, world):
         assert not res["mismatched"], f"rank {rank}: from_hf left wrong values in {res['mismatched']}"
 
     # Union over ranks of to_hf == save_pretrained, each element written by exactly one primary.
-    assembled = {k: torch.zeros_like(v) for k, v in ref.items()}
-    coverage = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in ref.items()}
-    seen = set()
-    for rank, res in enumerate(results):
-        for key, offsets, global_shape, primary, _expert, tensor in res["dump"]:
-            assert key in ref, f"rank {rank} produced key {key} that save_pretrained does not write"
-            assert global_shape == tuple(ref[key].shape), key
-            box = tuple(slice(o, o + s) for o, s in zip(offsets, tensor.shape))
-            assert torch.equal(ref[key][box], tensor), f"rank {rank}: wrong data for {key} at {offsets}"
-            seen.add(key)
-            if primary:
-                assembled[key][box] = tensor
-                coverage[key][box] += 1
-    assert seen == set(ref), f"keys never produced: {sorted(set(ref) - seen)}"
-    for key in ref:
-        assert bool((coverage[key] == 1).all()), f"{key}: elements written {coverage[key].unique().tolist()} times"
-        assert torch.equal(assembled[key], ref[key]), key
+    assert_pieces_tile_reference(
+        [[(k, o, g, p, t) for k, o, g, p, _e, t in res["dump"]] for res in results], ref)
 
     # Bytes read: each rank's share of the experts, from torch.chunk, exactly.
     per_expert_bytes = sum(

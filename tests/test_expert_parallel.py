@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checks import assert_pieces_tile_reference
 from nemo_moe_export.spawn import spawn
 
 WORLD = 4
@@ -298,23 +299,7 @@ def test_uneven_and_zero_splits_were_exercised(equivalence):
 def test_to_hf_union_after_ep_equals_save_pretrained(case, equivalence):
     workdir, per_rank = equivalence
     ref = load_file(os.path.join(workdir, case.name, "model.safetensors"))
-    assembled = {k: torch.zeros_like(v) for k, v in ref.items()}
-    coverage = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in ref.items()}
-    seen = set()
-    for rank, results in enumerate(per_rank):
-        for key, offsets, global_shape, primary, tensor in results[case.name]["dump"]:
-            assert key in ref, f"rank {rank} produced {key}, which save_pretrained does not write"
-            assert global_shape == tuple(ref[key].shape), key
-            box = tuple(slice(o, o + s) for o, s in zip(offsets, tensor.shape))
-            assert torch.equal(ref[key][box], tensor), f"rank {rank}: wrong data for {key} at {offsets}"
-            seen.add(key)
-            if primary:
-                assembled[key][box] = tensor
-                coverage[key][box] += 1
-    assert seen == set(ref), f"never produced: {sorted(set(ref) - seen)}"
-    for key in ref:
-        assert bool((coverage[key] == 1).all()), f"{key}: written {coverage[key].unique().tolist()} times"
-        assert torch.equal(assembled[key], ref[key]), key
+    assert_pieces_tile_reference([results[case.name]["dump"] for results in per_rank], ref)
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def _export_worker(rank, world, cases, workdir):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from layouts import to_grouped_layout
+    from checks import to_grouped_layout
 
     from nemo_moe_export.export import export_hf_checkpoint
     from nemo_moe_export.tiny_models import tiny_model

@@ -475,19 +475,22 @@ class StateDictAdapter:
         reads only the slices it holds. Everything is checked first (missing keys, unexpected keys
         when ``strict``, shapes, dtypes unless ``allow_dtype_cast``); on any problem nothing is
         changed. Tied aliases (``lm_head.weight`` with tied embeddings) are filled through the
-        tensor they alias.
+        tensor they alias. Official FP8 block-quantized checkpoints (``quantization_config`` in
+        ``config.json``) are dequantized slice by slice into the model's dtype (``fp8.py``).
         """
+        from nemo_moe_export.adapters.fp8 import open_source
+
         expected = self.hf_metadata(state_dict)
-        src = TensorDictSource(source) if isinstance(source, Mapping) else SafetensorsSource(source)
+        src = TensorDictSource(source) if isinstance(source, Mapping) else open_source(source)
         try:
             self._check_source(expected, src, strict=strict, allow_dtype_cast=allow_dtype_cast)
             pieces = list(self._pieces(state_dict))
             report = LoadReport()
             with torch.no_grad():
                 for piece in pieces:
-                    data = src.read(piece.key, piece.offsets, tuple(piece.tensor.shape))
-                    piece.tensor.copy_(data)
-                    nbytes = data.numel() * data.element_size()
+                    before = src.bytes_read
+                    piece.tensor.copy_(src.read(piece.key, piece.offsets, tuple(piece.tensor.shape)))
+                    nbytes = src.bytes_read - before  # bytes taken from the checkpoint (FP8 + scales)
                     report.bytes_read += nbytes
                     report.slices_read += 1
                     if piece.expert is not None:
@@ -521,7 +524,11 @@ class StateDictAdapter:
             if got.shape != meta.shape:
                 raise ExportInputError("checkpoint tensor has the wrong shape", key=key,
                                        expected=meta.shape, actual=got.shape)
-            if got.dtype != meta.dtype and not (
+            dequantized = getattr(src, "dequantizes", lambda _: False)(key)
+            if dequantized and not meta.dtype.is_floating_point:
+                raise ExportInputError("an FP8 weight can only fill a floating-point tensor", key=key,
+                                       expected="a floating-point model tensor", actual=meta.dtype)
+            if got.dtype != meta.dtype and not dequantized and not (
                 allow_dtype_cast and got.dtype.is_floating_point and meta.dtype.is_floating_point
             ):
                 raise ExportInputError(

@@ -17,11 +17,15 @@ Needs ``pip install nemo-run``.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from typing import Any
 
 from nemo_moe_export.integrations._common import missing
 
-__all__ = ["launch_main", "local_executor", "recipe_task", "slurm_executor"]
+__all__ = ["OVERRIDES_ENV", "launch_main", "local_executor", "recipe_task", "slurm_executor"]
+
+OVERRIDES_ENV = "NEMO_MOE_EXPORT_OVERRIDES"
 
 
 def _run() -> Any:
@@ -33,8 +37,15 @@ def _run() -> Any:
 
 
 def recipe_task(recipe: str, overrides: list[str]) -> Any:
-    """The recipe main job as a ``run.Script`` (``python -m nemo_moe_export recipe=... overrides``)."""
-    return _run().Script(path="nemo_moe_export", m=True, entrypoint="python", args=[f"recipe={recipe}", *overrides])
+    """The recipe main job as a ``run.Script`` (``python -m nemo_moe_export recipe=...``).
+
+    Overrides travel as JSON in ``NEMO_MOE_EXPORT_OVERRIDES``: NeMo-Run quotes script arguments for
+    a shell, and an override like ``stages=[train,export]`` would reach Hydra with literal quotes.
+    """
+    import json
+
+    return _run().Script(path="nemo_moe_export", m=True, entrypoint="python", args=[f"recipe={recipe}"],
+                         env={OVERRIDES_ENV: json.dumps(list(overrides))})
 
 
 def local_executor(nproc: int, job_dir: str = "") -> Any:
@@ -63,6 +74,9 @@ def launch_main(argv: list[str]) -> int:
     recipe, overrides, nproc = split_recipe_args(rest)
     load_config(recipe, overrides)  # validate now: Hydra's errors before anything is launched
     run = _run()
+    # torchx's local scheduler looks torchrun up on PATH: make it the one beside this interpreter,
+    # also when the virtual environment was not activated.
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     if known.slurm_account:
         executor = slurm_executor(account=known.slurm_account, partition=known.slurm_partition,
                                   nodes=known.nodes, gpus_per_node=nproc or 8)

@@ -89,6 +89,9 @@ def _init_distributed(timeout_s: float) -> None:
 
 def run_recipe(cfg: Any) -> dict[str, Any]:
     """Run ``cfg.stages`` on every rank; returns (on every rank) the results summary."""
+    from nemo_moe_export.config import validate_config
+
+    validate_config(cfg)
     stages = check_stages(cfg)
     _init_distributed(cfg.parallel.timeout_s)
     torch.manual_seed(cfg.trainer.seed)

@@ -1,0 +1,107 @@
+"""Framework integrations, driven by the real frameworks where they install (Lightning/NeMo does)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_moe_export.export import verify_checkpoint
+from nemo_moe_export.integrations._common import plugin_hooks
+from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+from nemo_moe_export.tiny_models import tiny_model
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = write_synthetic_mmlu(tmp_path_factory.mktemp("data"), n_train=20, n_test=6)
+    return root, build_tokenizer(root)
+
+
+def test_lightning_callback_runs_mmlu_and_export_inside_fit(corpus, tmp_path):
+    pl = pytest.importorskip("lightning.pytorch")
+    from nemo_moe_export.integrations.nemo import MoEExportCallback
+
+    root, tokenizer = corpus
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = tiny_model("deepseek_v3", n_experts=5, vocab_size=len(tokenizer))
+
+        def training_step(self, batch, _):
+            return self.model(input_ids=batch[0], labels=batch[0]).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.TensorDataset(torch.randint(4, len(tokenizer), (16, 12)))
+    module = Module()
+    hooks = plugin_hooks(mmlu=dict(data_path=str(root), every_n_steps=2, k_shot=0, output_dir=str(tmp_path / "mmlu"),
+                                   progress=False, plot=False),
+                         export=dict(output_dir=str(tmp_path / "hf")))
+    callback = MoEExportCallback(hooks, tokenizer=tokenizer)
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
+
+    # MMLU ran at steps 2 and 4 and at the end; the export holds the trained weights.
+    assert [r["step"] for r in callback.ctx.results["mmlu_during_training"]] == [2, 4]
+    assert callback.ctx.results["mmlu"]["overall"]["n"] == 4 * 6
+    module.model.save_pretrained(tmp_path / "reference")
+    report = verify_checkpoint(tmp_path / "hf", reference=str(tmp_path / "reference"))
+    assert report.ok and report.compared == report.tensors, report.summary()
+    assert json.loads((tmp_path / "mmlu" / "mmlu_results.json").read_text())
+
+
+def test_nemo_base_callback_is_used_when_nemo_is_installed():
+    pytest.importorskip("nemo.lightning.base_callback")
+    from nemo.lightning.base_callback import BaseCallback
+
+    from nemo_moe_export.integrations.nemo import MoEExportCallback
+
+    assert issubclass(MoEExportCallback, BaseCallback)
+
+
+def test_megatron_bridge_is_import_guarded():
+    from nemo_moe_export.integrations.megatron_bridge import megatron_bridge_callback
+
+    try:
+        import megatron.bridge  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="Megatron-Bridge is not installed.*pip install megatron-bridge"):
+            megatron_bridge_callback(plugin_hooks())
+    else:  # pragma: no cover - only where Megatron-Bridge installs (Python >= 3.12, GPU)
+        from megatron.bridge.training.callbacks import Callback
+
+        assert isinstance(megatron_bridge_callback(plugin_hooks()), Callback)
+
+
+def test_automodel_adapter_and_recipe_mixin(tmp_path):
+    from checks import to_grouped_layout
+
+    from nemo_moe_export.integrations.automodel import AutoModelStateDictAdapter, MoEExportRecipeMixin
+
+    model = tiny_model("qwen3_moe", n_experts=4)
+    model.save_pretrained(tmp_path / "ref")
+    reference = load_file(tmp_path / "ref" / "model.safetensors")
+    grouped = to_grouped_layout(model.state_dict())
+    adapter = AutoModelStateDictAdapter(model.config)
+    hf = adapter.to_hf(grouped)
+    assert hf.keys() == reference.keys() and all(torch.equal(hf[k], reference[k]) for k in hf)
+    target = {k: torch.zeros_like(v) for k, v in grouped.items()}
+    adapter.from_hf(reference, target=target)
+    assert all(torch.equal(target[k], grouped[k]) for k in grouped)
+
+    class Recipe(MoEExportRecipeMixin):  # stands in for an AutoModel recipe class
+        moe_export = {"export": {"output_dir": str(tmp_path / "hf")}}
+
+    recipe = Recipe()
+    recipe.moe_export_setup(model)
+    recipe.moe_export_step_end(1)
+    recipe.moe_export_train_end()
+    assert verify_checkpoint(tmp_path / "hf", reference=str(tmp_path / "ref")).ok
+    assert os.path.exists(tmp_path / "hf" / "config.json")

@@ -1,0 +1,135 @@
+"""The three doors: Hydra config + CLI main job under torchrun, recipe stages, NeMo-Run launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from safetensors.torch import load_file
+
+from nemo_moe_export.cli import load_config
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.recipe.stages import check_stages
+
+QUICK = ["trainer.max_steps=20", "trainer.progress=false", "mmlu.every_n_steps=10", "data.n_test=12",
+         "data.n_train=60"]
+
+
+def test_recipe_config_is_typed():
+    cfg = load_config("deepseek_v3_tiny", ["trainer.max_steps=7", "parallel=ep", "export.dtype=bfloat16"])
+    assert cfg.trainer.max_steps == 7 and isinstance(cfg.trainer.max_steps, int)
+    assert cfg.parallel.strategy == "ep" and cfg.parallel.ep_size == 2
+    assert list(cfg.stages) == ["train", "mmlu", "export", "verify"]
+    assert cfg.run_dir == "runs/deepseek_v3_tiny"
+
+
+@pytest.mark.parametrize(
+    "override,error,pattern",
+    [
+        ("trainer.max_steps=lots", ConfigCompositionException, "trainer.max_steps=lots"),
+        ("trainer.learning_rate=0.1", ConfigCompositionException, "trainer.learning_rate"),
+        ("+trainer.learning_rate=0.1", ExportInputError, "key 'trainer.learning_rate'"),
+        ("parallel=zero3", MissingConfigException, "parallel/zero3"),
+    ],
+    ids=["wrong-type", "unknown-key", "unknown-key-appended", "unknown-group-option"],
+)
+def test_config_errors_are_hydras_own(override, error, pattern):
+    with pytest.raises(error) as info:
+        load_config("deepseek_v3_tiny", [override])
+    text = str(info.value) + str(info.value.__cause__ or "")
+    assert pattern in text
+
+
+def test_wrong_type_names_the_type():
+    with pytest.raises(ConfigCompositionException) as info:
+        load_config("deepseek_v3_tiny", ["trainer.max_steps=lots"])
+    assert "could not be converted to Integer" in str(info.value.__cause__)
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ExportInputError, match=r"unknown recipe.*deepseek_v3_tiny.*qwen3_moe_tiny"):
+        load_config("mixtral_tiny")
+
+
+@pytest.mark.parametrize(
+    "stages,pattern",
+    [
+        (["train", "bake"], "unknown stage"),
+        (["export", "train"], "pipeline order"),
+        (["train", "train"], "pipeline order"),
+        (["export", "verify"], "need a trained checkpoint"),
+    ],
+)
+def test_stage_order_and_inputs(stages, pattern):
+    cfg = load_config("deepseek_v3_tiny", [f"stages=[{','.join(stages)}]"])
+    with pytest.raises(ExportInputError, match=pattern):
+        check_stages(cfg)
+
+
+def _cli(args, timeout=400):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "nemo_moe_export", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run") / "r"
+    proc = _cli(["recipe=deepseek_v3_tiny", f"run_dir={run_dir}", *QUICK, "--nproc", "4"])
+    return run_dir, proc
+
+
+def test_cli_under_torchrun_runs_every_stage(trained_run):
+    run_dir, proc = trained_run
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["train"]["steps"] == 20 and results["train"]["last_loss"] < results["train"]["first_loss"]
+    assert results["mmlu"]["overall"]["n"] == 4 * 12
+    assert os.path.exists(run_dir / "mmlu" / "mmlu_results.json") and os.path.exists(run_dir / "mmlu" / "mmlu_results.md")
+    assert results["verify"]["ok"] and results["verify"]["same_predictions"]
+    assert (run_dir / "hf" / "model.safetensors.index.json").exists()
+    assert (run_dir / "hf" / "tokenizer.json").exists()
+    assert (run_dir / "config.json").exists() and (run_dir / "logs" / "rank3.log").exists()
+    assert "summary" in proc.stdout and "verify : OK" in proc.stdout
+
+
+def test_single_stage_from_a_saved_checkpoint(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    second = tmp_path / "export-only"
+    _cli(["recipe=deepseek_v3_tiny", f"run_dir={second}", "stages=[export,verify]",
+          f"export.from_checkpoint={run_dir / 'checkpoint'}", "mmlu.enabled=false", "--nproc", "4"])
+    results = json.loads((second / "results.json").read_text())
+    assert "train" not in results and results["verify"]["ok"]
+    # The export of the restored checkpoint equals the export made right after training.
+    first = {}
+    for name in os.listdir(run_dir / "hf"):
+        if name.endswith(".safetensors"):
+            first.update(load_file(run_dir / "hf" / name))
+    again = {}
+    for name in os.listdir(second / "hf"):
+        if name.endswith(".safetensors"):
+            again.update(load_file(second / "hf" / name))
+    assert first.keys() == again.keys()
+    assert all((first[k] == again[k]).all() for k in first)
+
+
+def test_nemo_run_launcher_runs_the_recipe_locally(tmp_path):
+    pytest.importorskip("nemo_run")
+    run_dir = tmp_path / "nr"
+    proc = _cli(["launch", "recipe=qwen3_moe_tiny", f"run_dir={run_dir}", *QUICK, "stages=[train,export]",
+                 "--nproc", "2", "--job-dir", str(tmp_path / "jobs")], timeout=500)
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["train"]["steps"] == 20 and os.path.exists(results["export"]["path"])
+    assert "qwen3_moe_tiny" in proc.stdout + proc.stderr
+
+
+def test_nemo_run_launcher_validates_before_launching(tmp_path):
+    pytest.importorskip("nemo_run")
+    proc = subprocess.run([sys.executable, "-m", "nemo_moe_export", "launch", "recipe=deepseek_v3_tiny",
+                           "trainer.max_steps=abc", "--nproc", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "trainer.max_steps=abc" in proc.stderr
