@@ -94,6 +94,8 @@ def test_missing_dir_and_missing_split(tmp_path):
     with pytest.raises(ExportInputError, match="test split not found"):
         load_mmlu(tmp_path, splits=["dev", "test"])
     with pytest.raises(ExportInputError, match="unknown MMLU split"):
+        load_mmlu(tmp_path, splits=["holdout"])
+    with pytest.raises(ExportInputError, match="train split not found"):  # a known split, absent here
         load_mmlu(tmp_path, splits=["train"])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ExportInputError, match="no MMLU data found"):

@@ -1,7 +1,7 @@
 """Distributed MMLU evaluation on real gloo ranks with a real tiny DeepSeek-V3: no hang, same answers.
 
 Everything is built offline here: MMLU CSVs in the hendrycks layout (4 subjects, one per category,
-questions of 1-40 words so prompt lengths vary), a byte-level BPE tokenizer trained with
+questions of 1-30 words so prompt lengths vary), a byte-level BPE tokenizer trained with
 ``tokenizers`` (" A".." D" are single tokens; a second one, with no merges, splits them), and the
 model from ``tiny_models``. 43 questions in batches of 4 make 11 batches, so batch counts per rank
 are uneven on 4 ranks (and on the 2 expert-DP replicas of EP=2).
@@ -33,11 +33,15 @@ DEV_PER_SUBJECT = 3
 K_SHOT = 2
 BATCH = 4
 N_BATCHES = -(-N_QUESTIONS // BATCH)  # 11: not a multiple of 4 (nor of 2)
-MODEL_KW = dict(n_experts=8, num_layers=3, vocab_size=320, seed=0)
+TOKENIZER_VOCAB = 400
+# initializer_range 0.5: a random model whose answers depend on the question (at the default 0.02
+# every question gets the same letter and the comparisons below would be vacuous).
+MODEL_KW = dict(n_experts=8, num_layers=3, vocab_size=416, seed=0, initializer_range=0.5)
 SCORE_ATOL = 1e-4
 STALL_TIMEOUT_S = 3.0
 WORDS = ("alpha beta gamma delta field ring group prime matrix vector virus cell law mind society "
          "ethics norm proof").split()
+DESCRIPTION = "The following are multiple choice questions (with answers) about"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -59,20 +63,21 @@ def write_mmlu_csvs(root: str, subjects: dict[str, int] = SUBJECTS, seed: int = 
                 writer = csv.writer(f)
                 for _ in range(n):
                     choices = [_sentence(rng, 1, 4) for _ in range(4)]
-                    writer.writerow([_sentence(rng, 1, 40) + "?", *choices, rng.choice("ABCD")])
+                    writer.writerow([_sentence(rng, 1, 30) + "?", *choices, rng.choice("ABCD")])
 
 
-def build_tokenizer(vocab_size: int):
-    """Byte-level BPE (GPT-2 style). With room for merges " A".." D" become single tokens; with
-    ``vocab_size=257`` (bytes + one special) there are no merges and every answer is two tokens."""
+def build_tokenizer(answer_merges: bool = True):
+    """Byte-level BPE (GPT-2 style) whose merges cover the prompt words. With ``answer_merges``
+    " A".." D" are single tokens; without, the corpus never shows a space before a capital letter,
+    so every answer is two tokens ("Ġ", letter) and scoring must take the full path."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    corpus = [" ".join(WORDS)] * 5 + [" A B C D"] * 50 + ["Answer:"] * 10
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    corpus = [" ".join(WORDS)] * 5 + [DESCRIPTION, "Answer:"] * 10 + ([" A B C D"] * 50 if answer_merges else [])
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
@@ -121,14 +126,13 @@ class ForwardCounter:
 
 
 def _run_policies(model, tok, test, dev, layout, label: str, policies=("lockstep", "expert_dp"), **kw) -> dict:
-    from nemo_moe_export.evaluate.evaluator import plan_batches, plan_steps, prepare_questions
+    """Evaluate under each policy; keep the answers, the forward count and this rank's step plan."""
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, plan_batches, plan_steps, prepare_questions
 
     counter = ForwardCounter(model)
     out = {}
     for policy in policies:
         before = counter.count
-        from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
-
         result = evaluate_mmlu(model, tok, test, dev, layout, k_shot=K_SHOT, batch_size=BATCH, policy=policy,
                                timeout_s=60, progress=False, **kw)
         prepared = prepare_questions(tok, test, dev, k_shot=K_SHOT, max_length=512,
@@ -260,8 +264,8 @@ def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mmlu")
     data_dir, tok_dir = str(root / "data"), str(root / "tok")
     write_mmlu_csvs(data_dir)
-    build_tokenizer(300).save_pretrained(os.path.join(tok_dir, "single"))
-    build_tokenizer(257).save_pretrained(os.path.join(tok_dir, "split"))
+    build_tokenizer().save_pretrained(os.path.join(tok_dir, "single"))
+    build_tokenizer(answer_merges=False).save_pretrained(os.path.join(tok_dir, "split"))
     return {"data": data_dir, "tok": tok_dir, "root": root}
 
 
@@ -280,7 +284,7 @@ def reference(inputs):
     model = build_model()
     out = {}
     for label, kind, scoring, batch in (("single", "single", "auto", 1), ("single_batched", "single", "auto", BATCH),
-                                        ("full", "single", "full", 1), ("split", "split", "auto", 1)):
+                                        ("full", "single", "full", BATCH), ("split", "split", "auto", BATCH)):
         out[label] = summary(evaluate_mmlu(model, _tokenizer(inputs, kind), test, dev, k_shot=K_SHOT,
                                            batch_size=batch, scoring=scoring, progress=False))
     return out
@@ -513,6 +517,13 @@ def test_callback_writes_results(distributed, reference):
     overall = reference["single"]["metrics"]["overall"]
     assert f"| **mmlu** | {100 * overall['acc']:.2f} | {overall['correct']} | {N_QUESTIONS} |" in markdown
     assert "| - humanities |" in markdown and "|   - virology |" in markdown
+    try:  # the chart is optional: written exactly when matplotlib is importable
+        import matplotlib  # noqa: F401
+
+        has_matplotlib = True
+    except ImportError:
+        has_matplotlib = False
+    assert os.path.exists(os.path.join(out_dir, "mmlu_categories.png")) == has_matplotlib
 
 
 @pytest.fixture(scope="module")

@@ -61,8 +61,12 @@ Timeouts
 Forwards run under the process groups of the model: the EP groups of
 :func:`~nemo_moe_export.parallel.init_expert_parallel` carry their own timeout; FSDP2's all-gathers
 use the timeout of its mesh's process groups (``init_process_group(timeout=...)`` / the groups
-passed to ``init_device_mesh``). ``timeout_s`` bounds each agreement between steps. A stalled
-peer is thus detected after at most the group timeout plus ``timeout_s``.
+passed to ``init_device_mesh``). ``timeout_s`` bounds each agreement between steps; agreements
+run on a gloo group of their own (:func:`phase_coordinator`) whose timeout is ``timeout_s`` too.
+A rank blocked in a forward collective raises after the model group's timeout, a rank waiting at
+an agreement after ``timeout_s``; set ``timeout_s`` above the model groups' timeout so the error
+every rank sees names the failing ranks rather than only "did not arrive". One agreement costs
+a monitored barrier and a small all-gather (about 7 ms with 4 gloo ranks on 2 busy CPU cores).
 """
 
 from __future__ import annotations
@@ -414,11 +418,11 @@ def _model_device(model: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _pad_token_id(tokenizer: Any) -> int:
+def _pad_token_id(tokenizer: Any, vocab_size: int | None) -> int:
     """Any valid id will do (right padding never reaches a real position); prefer the tokenizer's."""
     for attr in ("pad_token_id", "eos_token_id", "bos_token_id"):
         value = getattr(tokenizer, attr, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and 0 <= value < (vocab_size or value + 1):
             return value
     return 0
 
@@ -445,12 +449,22 @@ class _SingleRankCoordinator(Coordinator):
 def phase_coordinator(layout: ParallelLayout, *, timeout_s: float = 600.0, name: str = "mmlu") -> Coordinator:
     """The coordinator over ``layout``'s data-parallel group that closes each evaluation phase.
 
-    Every rank of the world must call this together when the DP group is not gloo (a gloo side
-    group is created then); reuse it across evaluations (the callback does).
+    It runs on a gloo group of its own whose default timeout is ``timeout_s``: the agreement's
+    point-to-point sends and all-gathers must wait as long as its monitored barrier, or a rank that
+    arrives early (its peers still stuck in a forward) would give up after the *model* group's
+    shorter timeout and leave the others without an answer. Creating it is a collective over the
+    whole world (every rank, every DP group at once); create it once and pass it to
+    :func:`evaluate_mmlu` for repeated evaluations (:class:`~nemo_moe_export.evaluate.callback.
+    MMLUCallback` does).
     """
     if layout.dp.size == 1 or layout.dp.group is None:
         return _SingleRankCoordinator(timeout_s=timeout_s, name=name)
-    return Coordinator(layout.dp.group, timeout_s=timeout_s, name=name)
+    dp_groups: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(dp_groups, list(layout.dp.ranks))
+    unique = sorted({tuple(g) for g in dp_groups})
+    group, _ = dist.new_subgroups_by_enumeration([list(g) for g in unique], timeout=timedelta(seconds=timeout_s),
+                                                 backend="gloo")
+    return Coordinator(group, timeout_s=timeout_s, name=name)
 
 
 def _all_gather(coordinator: Coordinator, obj: Any) -> list[Any]:
@@ -547,8 +561,9 @@ def evaluate_mmlu(
 ) -> MMLUResult:
     """Evaluate ``model`` on MMLU ``questions`` with ``k_shot`` examples from ``dev``, on every rank.
 
-    ``model`` may be plain, FSDP2-sharded (``fully_shard``) or expert-parallel
-    (:func:`~nemo_moe_export.expert_parallel.apply_expert_parallel`); every rank of ``layout.dp``
+    ``model`` is called transformers-style (``model(input_ids=, attention_mask=, use_cache=False,
+    logits_to_keep=) -> .logits``) and may be plain, FSDP2-sharded (``fully_shard``) or
+    expert-parallel (:func:`~nemo_moe_export.expert_parallel.apply_expert_parallel`); every rank of ``layout.dp``
     (default :func:`~nemo_moe_export.parallel.discover_layout`) must call this with the same
     questions. ``questions`` may be a :class:`PreparedQuestions` from :func:`prepare_questions`
     (then ``dev``/``k_shot``/``scoring``/``max_length`` are already applied) to tokenize once for
@@ -579,13 +594,14 @@ def evaluate_mmlu(
     _require_same_plan(coordinator, _plan_fingerprint(prepared, batches, plan))
 
     # --- forward steps ------------------------------------------------------------------------
-    runner = _ForwardRunner(model, prepared.rows, _pad_token_id(tokenizer), softmax_dtype)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    runner = _ForwardRunner(model, prepared.rows, _pad_token_id(tokenizer, vocab_size), softmax_dtype)
     tally = _PaddingTally()
     scores: dict[int, list[float]] = {}
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _progress(plan.n_steps, name, enabled=progress and _is_global_rank0()) as bar:
+        with torch.no_grad(), _Progress(plan.n_steps, name, enabled=progress and _is_global_rank0()) as bar:
             for s, batch_id in enumerate(plan.batch_of_step):
                 label = f"{s + 1} of {plan.n_steps}"
                 error = None
@@ -663,7 +679,7 @@ def _is_global_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-class _progress:
+class _Progress:
     """Progress over steps on rank 0: tqdm when importable, else a plain line every ~10%."""
 
     def __init__(self, total: int, name: str, *, enabled: bool) -> None:
