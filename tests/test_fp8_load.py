@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nemo_moe_export.adapters.fp8 import quantize_block_fp8
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.spawn import spawn
 from nemo_moe_export.tiny_models import tiny_model
@@ -45,13 +46,11 @@ def write_fp8_checkpoint(path):
         if not _quantized(key, w):
             stored[key] = reference[key] = w
             continue
-        rows, cols = math.ceil(w.shape[0] / BLOCK[0]), math.ceil(w.shape[1] / BLOCK[1])
-        padded = torch.zeros(rows * BLOCK[0], cols * BLOCK[1])
-        padded[: w.shape[0], : w.shape[1]] = w.float()
-        amax = padded.reshape(rows, BLOCK[0], cols, BLOCK[1]).abs().amax(dim=(1, 3)).clamp(min=1e-12)
-        scale_inv = amax / torch.finfo(torch.float8_e4m3fn).max
-        q = (w.float() / _expand(scale_inv, w.shape)).to(torch.float8_e4m3fn)
+        q, scale_inv = quantize_block_fp8(w, BLOCK)
+        assert q.dtype == torch.float8_e4m3fn and scale_inv.shape == (math.ceil(w.shape[0] / BLOCK[0]),
+                                                                       math.ceil(w.shape[1] / BLOCK[1]))
         stored[key], stored[key + "_scale_inv"] = q, scale_inv
+        # The reference: dequantized here, whole tensor at once, independently of the loader.
         reference[key] = (q.float() * _expand(scale_inv, w.shape)).to(torch.bfloat16)
     os.remove(os.path.join(path, "model.safetensors"))
     save_file(stored, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
