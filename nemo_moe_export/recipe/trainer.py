@@ -37,6 +37,7 @@ STRATEGIES = ("fsdp", "hsdp", "ep", "ep_fsdp")
 class TrainState:
     step: int = 0
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -110,6 +111,26 @@ def _sync_unsharded_grads(model: Any, layout: ParallelLayout, world: int) -> Non
         p.grad.div_(world)
 
 
+def _clip_grad_norm(model: Any, max_norm: float) -> float:
+    """Global gradient norm over every parameter, whatever its sharding; clips to ``max_norm``.
+
+    Each parameter's norm is taken as a DTensor where it is one (DTensor reduces over its own mesh,
+    counting replicas once), so FSDP shards, HSDP replicas and EP experts all count exactly once.
+    """
+    squares = []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        norm = torch.linalg.vector_norm(p.grad.float())
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    if max_norm > 0 and total > max_norm:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(max_norm / (total + 1e-6))
+    return total
+
+
 def _training_examples(data_root: str, tokenizer: Any, k_shot: int) -> list[list[int]]:
     """Token ids of every training question, formatted as the MMLU evaluation formats it."""
     from nemo_moe_export.evaluate.data import load_mmlu
@@ -129,7 +150,8 @@ def _training_examples(data_root: str, tokenizer: Any, k_shot: int) -> list[list
 
 def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cfg: TrainerConfig, *,
           k_shot: int = 1, hooks: Any = None, log: Any = print) -> TrainState:
-    """Train with AdamW, loss on the answer letter only; calls ``hooks.on_step_end`` every step."""
+    """Train with AdamW, loss on the answer letter only, gradients clipped to ``cfg.grad_clip`` by
+    their global norm; calls ``hooks.on_step_end`` every step."""
     info = dist_info()
     examples = _training_examples(data_root, tokenizer, k_shot)
     if not examples:
@@ -158,6 +180,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         _sync_unsharded_grads(model, layout, info.world_size)
+        state.grad_norms.append(_clip_grad_norm(model, cfg.grad_clip))
         optimizer.step()
         schedule.step()
         value = loss.detach().clone()
@@ -167,7 +190,8 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
         state.step, state.losses = step, state.losses + [float(value)]
         progress.update(step, float(value))
         if step % cfg.log_every == 0 or step == cfg.max_steps:
-            log(f"step {step}/{cfg.max_steps} loss {float(value):.4f} lr {schedule.get_last_lr()[0]:.2e}")
+            log(f"step {step}/{cfg.max_steps} loss {float(value):.4f} grad norm {state.grad_norms[-1]:.3f} "
+                f"lr {schedule.get_last_lr()[0]:.2e}")
         if hooks is not None:
             hooks.on_step_end(step, model)
     progress.close()
