@@ -21,10 +21,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _rss_mib() -> float:
+def _status_mib(field: str) -> float:
+    """A memory line of /proc/self/status (VmRSS: now, VmHWM: peak since the last reset), in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
@@ -39,12 +40,6 @@ def _reset_hwm() -> None:
         pass
 
 
-def _hwm_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def _fsync_tree(path: str) -> None:
@@ -104,11 +99,11 @@ def _worker(rank, world, args, root):
             os.sync()
             dist.barrier()
             _reset_hwm()
-            rss0 = _rss_mib()
+            rss0 = _status_mib("VmRSS")
             t0 = time.perf_counter()
             nbytes = fn()
             dist.barrier()
-            runs.append((time.perf_counter() - t0, nbytes, max(0.0, _hwm_mib() - rss0)))
+            runs.append((time.perf_counter() - t0, nbytes, max(0.0, _status_mib("VmHWM") - rss0)))
         seconds = sorted(r[0] for r in runs)[len(runs) // 2]
         results[name] = dict(seconds=round(seconds, 3), all_seconds=[round(r[0], 3) for r in runs],
                              bytes=runs[-1][1], peak_rss_growth_mib=round(max(r[2] for r in runs), 1))

@@ -88,12 +88,9 @@ def _hydra_main(recipe: str, overrides: list[str]) -> int:
 
 def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
     """Run this same command on ``nproc`` local ranks with torchrun (gloo on CPU)."""
-    import time
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "nemo_moe_export", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-           "NEMO_MOE_EXPORT_LAUNCHED": str(time.time())}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(cmd, env=env)
 
 

@@ -162,7 +162,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
                                                  * 0.5 * (1 + math.cos(math.pi * min(s, cfg.max_steps) / cfg.max_steps)))
     pad = tokenizer.pad_token_id
     state = TrainState()
-    progress = _progress(cfg.max_steps, enabled=cfg.progress and info.rank == 0)
+    progress = _Progress(cfg.max_steps, enabled=cfg.progress and info.rank == 0)
     start = time.perf_counter()
     model.train()
     for step in range(1, cfg.max_steps + 1):
@@ -200,7 +200,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     return state
 
 
-class _progress:
+class _Progress:
     """A tqdm bar on rank 0 when tqdm is importable; nothing elsewhere."""
 
     def __init__(self, total: int, enabled: bool) -> None:
