@@ -111,13 +111,6 @@ class Coordinator:
             dist.all_reduce(tensor, group=self.group)
         return tensor
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        if not self.active:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.global_rank(src), group=self.group)
-        return box[0]
-
 
 # --------------------------------------------------------------------------------------------------
 # Parallel layout discovery: data-parallel, expert-parallel and expert-data-parallel groups

@@ -42,6 +42,7 @@ CASES = [
     Case("deepseek_v3", 6, "ep_fsdp_grouped"),
     Case("kimi_linear", 5, "fsdp", writers=(0,)),
     Case("deepseek_v3", 10, "hsdp", "bfloat16", writers=(1, 3)),
+    Case("deepseek_v3", 6, "ep_fsdp_grouped", writers=(2,)),  # transposed, non-contiguous sources sent
 ]
 
 
@@ -69,9 +70,10 @@ def _export_worker(rank, world, cases, workdir):
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "ep_shard"))
             sd = {k: distribute_tensor(v, mesh, [Shard(0), Shard(1)]) if ".experts." in k else v
                   for k, v in to_grouped_layout(model.state_dict()).items()}
+            local = dict(filesystem="local", writer_ranks=list(case.writers), staging_bytes=4096) if case.writers else {}
             result = export_hf_checkpoint(target, state_dict=sd, config=model.config,
                                           generation_config=model.generation_config, max_shard_size="16KB",
-                                          timeout_s=60)
+                                          timeout_s=60, **local)
             out[case.name] = dict(result=result, logits=model(INPUT).logits.detach())
             continue
         dims = (world,) if case.mesh == "fsdp" else (2, world // 2)

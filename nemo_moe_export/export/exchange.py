@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from itertools import zip_longest
 from dataclasses import dataclass
 
 import torch
@@ -90,20 +91,19 @@ def exchange_and_write(
     try:
         for r in range(1, coord.world_size):
             dst, src = (me + r) % coord.world_size, (me - r) % coord.world_size
-            sends = [chunk for run, source, dtype in outgoing.get(dst, [])
-                     for chunk in _source_chunks(run, source, dtype, staging_bytes)]
+            sends = _outgoing_chunks(outgoing.get(dst, []), staging_bytes)
             recvs = [(run.file, run.offset + start, n) for run in manifests[src].get(me, [])
                      for start, n in _chunks(run.nbytes, staging_bytes)]
-            for j in range(max(len(sends), len(recvs))):
+            for send, recv in zip_longest(sends, recvs):
                 works = []
-                if j < len(sends):
-                    works.append(dist.isend(_stage(sends[j], send_buf), dst=coord.global_rank(dst), group=coord.group))
-                if j < len(recvs):
-                    file, offset, n = recvs[j]
+                if send is not None:
+                    works.append(dist.isend(_stage(*send, send_buf), dst=coord.global_rank(dst), group=coord.group))
+                if recv is not None:
+                    file, offset, n = recv
                     works.append(dist.irecv(recv_buf[:n], src=coord.global_rank(src), group=coord.group))
                 for w in works:
                     w.wait()
-                if j < len(recvs):
+                if recv is not None:
                     if file not in fds:
                         fds[file] = os.open(os.path.join(directory, file), os.O_WRONLY)
                     stats.bytes_written += _pwrite_all(fds[file], recv_buf[:n].numpy(), offset)
@@ -117,19 +117,20 @@ def exchange_and_write(
     return stats
 
 
-def _source_chunks(run: _Run, source: torch.Tensor, dtype: torch.dtype, staging_bytes: int):
-    """The receiver's byte cuts as element ranges of the sender's flattened, cast source."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    flat = source.reshape(-1) if source.is_contiguous() else None
-    for start, n in _chunks(run.nbytes, staging_bytes):
-        yield (start // esize, n // esize, flat, source, dtype)
+def _outgoing_chunks(items, staging_bytes: int):
+    """``(part, dtype)`` for every chunk of every outgoing run, cut exactly as the receiver cuts it.
+
+    Lazy on purpose: a non-contiguous source (a transposed grouped-layout piece) is flattened once,
+    when its run comes up, and dropped after its last chunk, so at most one run is ever copied.
+    """
+    for run, source, dtype in items:
+        flat = source.reshape(-1)  # a view when contiguous
+        for start, n in _chunks(run.nbytes, staging_bytes):
+            yield flat[start // dtype.itemsize:(start + n) // dtype.itemsize], dtype
 
 
-def _stage(chunk, buf: torch.Tensor) -> torch.Tensor:
-    """Cast/copy one chunk of a source into ``buf``; return the bytes to send."""
-    first, count, flat, source, dtype = chunk
-    esize = torch.empty((), dtype=dtype).element_size()
-    out = buf[: count * esize]
-    part = flat[first:first + count] if flat is not None else source.contiguous().reshape(-1)[first:first + count]
+def _stage(part: torch.Tensor, dtype: torch.dtype, buf: torch.Tensor) -> torch.Tensor:
+    """Cast/copy one chunk into ``buf``; return the bytes to send."""
+    out = buf[: part.numel() * dtype.itemsize]
     out.view(dtype).copy_(part)
     return out

@@ -49,7 +49,7 @@ class PlannedTensor:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -165,4 +165,4 @@ def plan_export(
 
 
 def _nbytes(meta: TensorMeta) -> int:
-    return math.prod(meta.shape) * torch.empty((), dtype=meta.dtype).element_size()
+    return math.prod(meta.shape) * meta.dtype.itemsize

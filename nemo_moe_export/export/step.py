@@ -35,7 +35,8 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,7 @@ from nemo_moe_export.adapters import StateDictAdapter, get_adapter
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.plan import INDEX_NAME, ExportPlan, plan_export
 from nemo_moe_export.export.verify import verify_checkpoint
-from nemo_moe_export.export.writer import WriteStats, write_headers, write_pieces
+from nemo_moe_export.export.writer import write_headers, write_pieces
 from nemo_moe_export.parallel import Coordinator
 
 __all__ = ["ExportResult", "ExportStep", "export_hf_checkpoint"]
@@ -128,16 +129,23 @@ def export_hf_checkpoint(
     times: dict[str, float] = {}
     step_start = time.perf_counter()
 
-    def done(step: str, error: BaseException | None = None) -> None:
+    @contextmanager
+    def step(name: str) -> Iterator[None]:
+        """Run one step's body on this rank, then agree with every rank on how it went: an
+        exception here, or on any peer, becomes the same PeerError on every rank."""
         nonlocal step_start
-        coord.agree(step, error)
+        error = None
+        try:
+            yield
+        except BaseException as exc:  # reported to every rank by agree
+            error = exc
+        coord.agree(name, error)
         now = time.perf_counter()
-        times[step] = round(now - step_start, 4)
+        times[name] = round(now - step_start, 4)
         step_start = now
 
     # 1. validate -------------------------------------------------------------------------------
-    error = None
-    try:
+    with step("validate"):
         if overwrite not in OVERWRITE_POLICIES:
             raise ExportInputError("unknown overwrite policy", key="overwrite", expected=OVERWRITE_POLICIES,
                                    actual=repr(overwrite))
@@ -181,9 +189,6 @@ def export_hf_checkpoint(
         coverage = torch.zeros(len(keys), dtype=torch.int64)
         for p in pieces:
             coverage[position[p.key]] += p.tensor.numel()
-    except BaseException as exc:  # reported to every rank by agree
-        error = exc
-    done("validate", error)
 
     digests = [None] * coord.world_size
     if coord.active:
@@ -217,59 +222,39 @@ def export_hf_checkpoint(
 
     try:
         # 2. prepare ----------------------------------------------------------------------------
-        error = None
-        try:
+        with step("prepare"):
             if coord.rank == 0:
                 shutil.rmtree(partial, ignore_errors=True)  # a stale attempt
                 os.makedirs(partial)
-        except BaseException as exc:
-            error = exc
-        done("prepare", error)
 
         # 3. headers and small files ------------------------------------------------------------
-        error = None
-        try:
+        with step("headers"):
             write_headers(plan, partial, [name for name, owner in owners.items() if owner == my_global_rank])
             if coord.rank == 0:
                 _write_metadata_files(partial, plan, config, export_dtype, generation_config, tokenizer)
-        except BaseException as exc:
-            error = exc
-        done("headers", error)
 
         # 4. tensor bytes ----------------------------------------------------------------------
-        error, stats = None, WriteStats()
-        try:
+        with step("write"):
             if filesystem == "local":
                 from nemo_moe_export.export.exchange import exchange_and_write
 
                 stats = exchange_and_write(plan, pieces, partial, owners, coord, staging_bytes=staging_bytes)
             else:
                 stats = write_pieces(plan, pieces, partial, staging_bytes=staging_bytes)
-        except BaseException as exc:
-            error = exc
-        done("write", error)
 
         # 5. verify ----------------------------------------------------------------------------
-        error = None
-        try:
+        with step("verify"):
             if coord.rank == 0:
                 if verify:
                     report = verify_checkpoint(partial)
                     if not report.ok:
                         raise RuntimeError("the written checkpoint failed verification:\n" + report.summary())
                 _fsync_path(partial)
-        except BaseException as exc:
-            error = exc
-        done("verify", error)
 
         # 6. publish ---------------------------------------------------------------------------
-        error = None
-        try:
+        with step("publish"):
             if coord.rank == 0:
                 _publish(partial, target, overwrite)
-        except BaseException as exc:
-            error = exc
-        done("publish", error)
     except BaseException:
         if coord.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)

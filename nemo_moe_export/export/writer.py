@@ -161,7 +161,7 @@ class _Pipeline:
     def write_staged(self, job: _Job, dtype: torch.dtype) -> None:
         """Copy (and cast) ``job.source`` into staging buffers chunk by chunk and write each chunk."""
         source, offset = job.source, job.offset
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         per_chunk = max(1, self.staging_bytes // esize)
         row_elems = source[0].numel() if source.dim() > 1 else 1
         flat = None
