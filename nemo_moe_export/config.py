@@ -31,6 +31,7 @@ class ModelConfig:
     moe_intermediate_size: int = 32
     num_layers: int = 2
     seed: int = 0
+    dtype: str = "float32"  # parameter dtype: float32 | bfloat16
 
 
 @dataclass
@@ -47,6 +48,8 @@ class ParallelConfig:
     ep_size: int = 1
     replicate: int = 1
     timeout_s: float = 300.0
+    # auto: one GPU per rank (NCCL) when every local rank has a GPU, else CPU (gloo) | cuda | cpu
+    device: str = "auto"
 
 
 @dataclass
@@ -60,6 +63,7 @@ class TrainerConfig:
     log_every: int = 10
     seed: int = 0
     progress: bool = True
+    save_checkpoint: bool = True  # the sharded DCP checkpoint {run_dir}/checkpoint (export.from_checkpoint)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class ExportConfig:
     max_shard_size: str = "5GB"
     overwrite: str = "error"  # error | replace
     filesystem: str = "shared"  # shared | local
+    writer_threads: int = 1  # pwrite threads per rank for staged (cast or GPU) bytes
     from_checkpoint: Optional[str] = None  # run export/verify alone on a saved training checkpoint
     timeout_s: float = 600.0
 

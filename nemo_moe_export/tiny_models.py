@@ -70,14 +70,18 @@ def tiny_config(
     raise ValueError(f"unknown tiny model family {family!r}; expected one of {FAMILIES}")
 
 
-def tiny_model(family: str, *, seed: int = 0, **config_kwargs: Any) -> Any:
-    """A randomly initialised ``AutoModelForCausalLM`` of ``family`` (same seed -> same weights)."""
+def tiny_model(family: str, *, seed: int = 0, dtype: Any = None, **config_kwargs: Any) -> Any:
+    """A randomly initialised ``AutoModelForCausalLM`` of ``family`` (same seed -> same weights).
+
+    Built on the current default device (``with torch.device("cuda"): ...`` builds it on the GPU);
+    ``dtype`` is the parameter dtype (default float32).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(family, **config_kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
     # Random router biases, so a test notices if they are dropped or mixed up.
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):

@@ -26,6 +26,7 @@ def model():
         (dict(dtype="bfloat17"), "unknown dtype"),
         (dict(overwrite="sometimes"), "unknown overwrite policy"),
         (dict(max_shard_size="lots"), "unreadable size"),
+        (dict(writer_threads=0), "writer_threads must be a positive integer"),
     ],
 )
 def test_refused_options_write_nothing(model, tmp_path, kwargs, pattern):
@@ -96,3 +97,20 @@ def test_direct_write_path_does_not_copy(model, tmp_path):
     write_headers(p16, str(tmp_path), [f.name for f in p16.files])
     stats16 = write_pieces(p16, adapter.to_hf(model.state_dict()).values(), str(tmp_path), staging_bytes=4096)
     assert stats16.staged_bytes == p16.total_tensor_bytes
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_staged_writes_with_several_writer_threads_are_exact(model, tmp_path, threads):
+    """A cast export goes through the staging buffers; any number of pwrite threads writes the same
+    bytes, and the stats account for the copy and write time of the step."""
+    result = export_hf_checkpoint(tmp_path / "out", model, dtype="bfloat16", max_shard_size="10KB",
+                                  staging_bytes=4096, writer_threads=threads)
+    assert result.io["writer_threads"] == threads
+    assert result.io["staged_bytes"] == result.io["bytes_written"] == result.checkpoint_bytes
+    assert 0 < result.io["write_seconds"] and 0 < result.io["copy_seconds"]
+    from nemo_moe_export.adapters import get_adapter
+
+    reference = {k: p.tensor.to(torch.bfloat16) if p.tensor.is_floating_point() else p.tensor
+                 for k, p in get_adapter(model.config).to_hf(model.state_dict()).items()}
+    report = verify_checkpoint(tmp_path / "out", reference=reference)
+    assert report.ok and report.compared == len(reference), report.summary()

@@ -348,6 +348,21 @@ def test_predictions_match_a_direct_forward(inputs, reference):
         assert logp.tolist() == pytest.approx(reference["single"]["scores"][i], abs=SCORE_ATOL)
 
 
+def test_one_position_list_per_batch_equals_per_row_positions(inputs, reference, monkeypatch):
+    """transformers releases before per-row ``logits_to_keep`` get one 1-D list of positions per
+    batch (each row then picks its own): same predictions, scores within float rounding."""
+    from nemo_moe_export.evaluate import evaluator
+
+    monkeypatch.setattr(evaluator, "_accepts_row_positions", lambda: False)
+    test, dev = load_split_data(inputs["data"])
+    result = evaluator.evaluate_mmlu(build_model(), _tokenizer(inputs), test, dev, k_shot=K_SHOT, batch_size=BATCH,
+                                     progress=False)
+    got = summary(result)
+    assert got["pred"] == reference["single"]["pred"]
+    for mine, theirs in zip(got["scores"], reference["single"]["scores"]):
+        assert mine == pytest.approx(theirs, abs=SCORE_ATOL)
+
+
 def test_truncation_cuts_from_the_left_and_is_reported(inputs):
     from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
 

@@ -133,3 +133,24 @@ def test_nemo_run_launcher_validates_before_launching(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nemo_moe_export", "launch", "recipe=deepseek_v3_tiny",
                            "trainer.max_steps=abc", "--nproc", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "trainer.max_steps=abc" in proc.stderr
+
+
+def test_device_choice_is_checked(monkeypatch):
+    """``parallel.device``: auto falls back to the CPU without a GPU per local rank; an explicit
+    cuda without enough GPUs, or an unknown device, is an error naming the key."""
+    import torch
+
+    from nemo_moe_export.parallel import resolve_device
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    with pytest.raises(ExportInputError, match="parallel.device.*expected 4 visible GPUs, got 2"):
+        resolve_device("cuda")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert resolve_device("auto") == "cuda"
+    with pytest.raises(ExportInputError, match="unknown device"):
+        resolve_device("gpu")
+    cfg = load_config("deepseek_v3_gpu")
+    assert (cfg.parallel.device, cfg.model.dtype, cfg.model.n_experts % 2) == ("cuda", "bfloat16", 1)

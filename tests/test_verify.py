@@ -128,3 +128,20 @@ def test_reference_mismatch(good, tmp_path):
     assert verify_checkpoint(good, reference=hf).ok
     hf["model.norm.weight"] = hf["model.norm.weight"] + 1
     assert "tensor 'model.norm.weight' differs from the reference" in verify_checkpoint(good, reference=hf).summary()
+
+
+def test_compare_with_shards_reads_the_boxes_and_names_a_changed_tensor(good, tmp_path):
+    """The no-gather equality check: equal on the exported model; one flipped element is named."""
+    from nemo_moe_export.export import compare_with_shards
+
+    model = tiny_model("deepseek_v3", n_experts=5)
+    report = compare_with_shards(good, model)
+    assert report.ok and report.compared == len(_index(good)), report.summary()
+    path = _copy(good, tmp_path)
+    key = "model.layers.1.mlp.experts.2.down_proj.weight"
+    file = _file_of(path, key)
+    tensors = load_file(file)
+    tensors[key][0, 0] += 1
+    save_file(tensors, file, metadata={"format": "pt"})
+    problems = compare_with_shards(path, model).problems
+    assert problems == [f"tensor '{key}' at offsets (0, 0) differs from the model's shard"]

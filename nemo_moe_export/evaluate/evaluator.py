@@ -373,6 +373,7 @@ class _ForwardRunner:
         self.device = _model_device(model)
         params = inspect.signature(model.forward).parameters
         self.keeps_positions = "logits_to_keep" in params
+        self.row_positions = _accepts_row_positions()
         self.takes_use_cache = "use_cache" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
     def run(self, members: Sequence[int], shape: tuple[int, int] | None,
@@ -403,13 +404,30 @@ class _ForwardRunner:
         if self.takes_use_cache:
             kwargs["use_cache"] = False
         if self.keeps_positions:
-            logits = self.model(**kwargs, logits_to_keep=positions).logits
+            if self.row_positions:
+                logits = self.model(**kwargs, logits_to_keep=positions).logits
+            else:  # one 1-D position list for the whole batch, then each row picks its own
+                union, inverse = torch.unique(positions, return_inverse=True)
+                logits = self.model(**kwargs, logits_to_keep=union).logits
+                if logits.dim() == 3 and logits.shape[1] == union.numel():
+                    logits = torch.take_along_dim(logits, inverse.unsqueeze(-1), dim=1)
             if tuple(logits.shape[:2]) != tuple(positions.shape):
                 raise RuntimeError(f"model ignored logits_to_keep positions: logits {tuple(logits.shape)}, "
                                    f"positions {tuple(positions.shape)}")
             return logits
         logits = self.model(**kwargs).logits
         return torch.take_along_dim(logits, positions.unsqueeze(-1), dim=1)
+
+
+def _accepts_row_positions() -> bool:
+    """Whether transformers' models take a 2-D ``[rows, positions]`` ``logits_to_keep`` (its
+    ``slice_logits_to_keep``, in recent 5.x). Earlier 5.x releases index ``hidden[:, positions]``,
+    which only a 1-D tensor of positions gets right."""
+    try:
+        from transformers.modeling_utils import slice_logits_to_keep  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _model_device(model: Any) -> torch.device:

@@ -64,6 +64,9 @@ class ExportResult:
     rank_bytes_written: int
     seconds: float
     step_seconds: dict[str, float] = field(default_factory=dict)
+    # This rank's write step: bytes staged (cast or device-to-host), seconds copying into staging
+    # buffers and seconds in pwrite (summed over writer threads), against the step's wall time.
+    io: dict[str, float] = field(default_factory=dict)
 
 
 def _parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -109,6 +112,7 @@ def export_hf_checkpoint(
     overwrite: str = "error",
     timeout_s: float = 600.0,
     staging_bytes: int = 64 << 20,
+    writer_threads: int = 1,
     verify: bool = True,
     filesystem: str = "shared",
     writer_ranks: list[int] | None = None,
@@ -155,6 +159,9 @@ def export_hf_checkpoint(
         if staging_bytes <= 0 or staging_bytes % 8:
             raise ExportInputError("staging buffer size must be a positive multiple of 8 bytes",
                                    key="staging_bytes", expected="e.g. 64 << 20", actual=staging_bytes)
+        if not isinstance(writer_threads, int) or writer_threads < 1:
+            raise ExportInputError("writer_threads must be a positive integer", key="writer_threads",
+                                   expected=">= 1", actual=repr(writer_threads))
         if writer_ranks is not None and (
             not writer_ranks or any(not 0 <= r < max(coord.world_size, 1) for r in writer_ranks)
         ):
@@ -240,7 +247,8 @@ def export_hf_checkpoint(
 
                 stats = exchange_and_write(plan, pieces, partial, owners, coord, staging_bytes=staging_bytes)
             else:
-                stats = write_pieces(plan, pieces, partial, staging_bytes=staging_bytes)
+                stats = write_pieces(plan, pieces, partial, staging_bytes=staging_bytes,
+                                     writer_threads=writer_threads)
 
         # 5. verify ----------------------------------------------------------------------------
         with step("verify"):
@@ -263,6 +271,8 @@ def export_hf_checkpoint(
         path=target, files=len(plan.files), tensors=len(plan.tensors), checkpoint_bytes=plan.total_tensor_bytes,
         rank_bytes_written=stats.bytes_written, seconds=round(time.perf_counter() - t_start, 4),
         step_seconds=times,
+        io=dict(bytes_written=stats.bytes_written, staged_bytes=stats.staged_bytes, copy_seconds=stats.copy_seconds,
+                write_seconds=stats.write_seconds, seconds=stats.seconds, writer_threads=stats.writer_threads),
     )
 
 
@@ -315,10 +325,11 @@ class ExportStep:
     keep_dtype: tuple[str, ...] = ()
     verify: bool = True
     filesystem: str = "shared"
+    writer_threads: int = 1
 
     def __call__(self, model: Any = None, **kwargs: Any) -> ExportResult:
         return export_hf_checkpoint(
             self.output_dir, model, dtype=self.dtype, max_shard_size=self.max_shard_size,
             overwrite=self.overwrite, timeout_s=self.timeout_s, keep_dtype=tuple(self.keep_dtype),
-            verify=self.verify, filesystem=self.filesystem, **kwargs,
+            verify=self.verify, filesystem=self.filesystem, writer_threads=self.writer_threads, **kwargs,
         )

@@ -12,6 +12,10 @@ and the index and reports every problem it finds:
 * every MoE layer has experts ``0 .. E-1`` with E from ``config.json``, each with the same
   projections; no ``lm_head.weight`` when the config ties word embeddings;
 * optionally, every tensor equals a reference checkpoint or state dict.
+
+:func:`compare_with_shards` is the distributed equality check: every rank compares the parts of
+the live (sharded) model it holds with the same boxes of the files, so a checkpoint of any size is
+checked tensor for tensor with no gather.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-__all__ = ["VerifyReport", "verify_checkpoint"]
+__all__ = ["VerifyReport", "compare_with_shards", "verify_checkpoint"]
 
 _DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
@@ -223,4 +228,42 @@ def verify_checkpoint(path: str | os.PathLike[str], reference=None) -> VerifyRep
     _expert_checks(sorted(where), config, report)
     if reference is not None and report.ok:
         _compare(path, where, reference, report)
+    return report
+
+
+def compare_with_shards(path: str | os.PathLike[str], model: Any = None, *,
+                        state_dict: Mapping[str, torch.Tensor] | None = None, adapter: Any = None) -> VerifyReport:
+    """Compare the checkpoint in ``path`` with this rank's shards of ``model`` (or ``state_dict``).
+
+    Call on any rank, alone or on all of them: each reads only the boxes it holds
+    (``get_slice``), in the model's HF orientation, and requires equal dtype and bytes; what the
+    checkpoint stores in another dtype (an export with ``dtype=``) is compared after casting the
+    shard to it. No communication; ``report.compared`` counts the pieces checked on this rank.
+    """
+    from nemo_moe_export.adapters import get_adapter
+    from nemo_moe_export.adapters.engine import SafetensorsSource
+
+    report = VerifyReport(os.fspath(path))
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    adapter = adapter or get_adapter(model.config)
+    source = SafetensorsSource(path)
+    try:
+        stored_keys = source.keys()
+        for key, piece in adapter.to_hf(state_dict).items():
+            if key not in stored_keys:
+                report.problems.append(f"tensor '{key}' is not in the checkpoint")
+                continue
+            meta = source.meta(key)
+            if tuple(meta.shape) != tuple(piece.global_shape):
+                report.problems.append(f"tensor '{key}': checkpoint shape {tuple(meta.shape)}, "
+                                       f"model shape {tuple(piece.global_shape)}")
+                continue
+            stored = source.read(key, piece.offsets, tuple(piece.tensor.shape))
+            mine = piece.tensor.detach().to(device="cpu", dtype=stored.dtype)
+            report.compared += 1
+            report.tensor_bytes += stored.numel() * stored.element_size()
+            if not torch.equal(stored, mine):
+                report.problems.append(f"tensor '{key}' at offsets {piece.offsets} differs from the model's shard")
+    finally:
+        source.close()
     return report

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,9 +33,17 @@ __all__ = ["WriteStats", "byte_runs", "write_headers", "write_pieces"]
 
 @dataclass
 class WriteStats:
+    """What one rank wrote. ``copy_seconds`` is the time spent filling staging buffers (device to
+    host copies and casts), ``write_seconds`` the time writer threads spent in ``pwrite``; when
+    staging overlaps writing, both are close to ``seconds`` rather than adding up to it."""
+
     bytes_written: int = 0
     runs: int = 0
     staged_bytes: int = 0
+    copy_seconds: float = 0.0
+    write_seconds: float = 0.0
+    seconds: float = 0.0
+    writer_threads: int = 1
     files_touched: set[str] = field(default_factory=set)
 
 
@@ -112,26 +121,31 @@ class _Job:
 
 class _Pipeline:
     """Direct jobs are written from the tensors' own memory, in the caller's thread. Staged jobs
-    are cast/copied into a free staging buffer chunk by chunk and written by one writer thread, so
-    the copy into one buffer overlaps the write of the other; the fixed buffer pool bounds memory.
+    are cast/copied into a free staging buffer chunk by chunk and written by ``threads`` writer
+    threads, so the copy into one buffer overlaps the writes of the others; the fixed pool of
+    ``threads + 1`` buffers bounds memory.
     """
 
-    def __init__(self, staging_bytes: int, n_buffers: int, pinned: bool, fadvise: bool) -> None:
+    def __init__(self, staging_bytes: int, threads: int, pinned: bool, fadvise: bool) -> None:
         self.staging_bytes = staging_bytes
         self.fadvise = fadvise and hasattr(os, "posix_fadvise")
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nme-writer")
-        self._n_buffers, self._pinned = n_buffers, pinned
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="nme-writer")
+        self._n_buffers, self._pinned = threads + 1, pinned
         self._buffers: list[torch.Tensor] = []  # allocated on first use: direct-only exports need none
         self._free: list[int] = []
         self._cond = threading.Condition()
         self._pending: deque[Future] = deque()
+        self.copy_seconds = 0.0
+        self.write_seconds = 0.0  # summed over writer threads (under _cond)
 
     def _write(self, fd: int, data, offset: int, buffer_id: int | None) -> int:
+        started = time.perf_counter()
         try:
             return _write_and_release(fd, data, offset, self.fadvise)
         finally:
-            if buffer_id is not None:
-                with self._cond:
+            with self._cond:
+                self.write_seconds += time.perf_counter() - started
+                if buffer_id is not None:
                     self._free.append(buffer_id)
                     self._cond.notify()
 
@@ -146,7 +160,7 @@ class _Pipeline:
     def write_direct(self, job: _Job) -> None:
         """Write a direct job from the tensor's own memory (a zero-copy byte view)."""
         self._check()
-        _write_and_release(job.fd, _byte_view(job.source), job.offset, self.fadvise)
+        self._write(job.fd, _byte_view(job.source), job.offset, None)
 
     def _take_buffer(self) -> int:
         with self._cond:
@@ -179,9 +193,11 @@ class _Pipeline:
                 chunk = source[first:first + max(1, per_chunk // row_elems)]
             n = chunk.numel()
             staged = self._buffers[buffer_id][: n * esize]
+            copy_started = time.perf_counter()
             staged.view(dtype).view(chunk.shape).copy_(chunk, non_blocking=chunk.is_cuda)
             if chunk.is_cuda:
                 torch.cuda.current_stream(chunk.device).synchronize()
+            self.copy_seconds += time.perf_counter() - copy_started
             self._submit(job.fd, staged.numpy(), offset + start * esize, buffer_id)
             start += n
 
@@ -215,15 +231,16 @@ def write_pieces(
     directory: str,
     *,
     staging_bytes: int = 64 << 20,
-    n_buffers: int = 2,
+    writer_threads: int = 1,
     fadvise: bool = True,
 ) -> WriteStats:
     """Write every primary piece to its planned place; fsync every file written. Returns stats."""
-    stats = WriteStats()
+    started = time.perf_counter()
+    stats = WriteStats(writer_threads=writer_threads)
     fds: dict[str, int] = {}
     pieces = [p for p in pieces if p.primary and p.tensor.numel()]
     pinned = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
-    pipeline = _Pipeline(staging_bytes, n_buffers, pinned, fadvise)
+    pipeline = _Pipeline(staging_bytes, writer_threads, pinned, fadvise)
     try:
         for piece in pieces:
             planned = plan.tensors[piece.key]
@@ -248,4 +265,6 @@ def write_pieces(
         for fd in fds.values():
             os.close(fd)
     stats.files_touched = set(fds)
+    stats.copy_seconds, stats.write_seconds = round(pipeline.copy_seconds, 4), round(pipeline.write_seconds, 4)
+    stats.seconds = round(time.perf_counter() - started, 4)
     return stats

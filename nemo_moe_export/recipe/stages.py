@@ -25,8 +25,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -82,18 +82,20 @@ def _to_plain(cfg: Any) -> Any:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def _init_distributed(timeout_s: float) -> None:
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Run ``cfg.stages`` on every rank; returns (on every rank) the results summary.
 
-
-def run_recipe(cfg: Any) -> dict[str, Any]:
-    """Run ``cfg.stages`` on every rank; returns (on every rank) the results summary."""
+    ``after(ctx)`` runs on every rank once the stages are done, with the live
+    :class:`~nemo_moe_export.recipe.hooks.RecipeContext` (the GPU benchmark measures the trained
+    model there); what it puts in ``ctx.results`` is saved with the rest.
+    """
     from nemo_moe_export.config import validate_config
+    from nemo_moe_export.parallel import init_distributed, resolve_device
 
     validate_config(cfg)
     stages = check_stages(cfg)
-    _init_distributed(cfg.parallel.timeout_s)
+    device = resolve_device(cfg.parallel.device)
+    init_distributed(device, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     info = dist_info()
     run_dir = os.path.abspath(cfg.run_dir)
@@ -102,9 +104,9 @@ def run_recipe(cfg: Any) -> dict[str, Any]:
     if info.rank == 0:
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(_to_plain(cfg), f, indent=2)
-    log.info(f"recipe {cfg.name}: stages {stages}, {info.world_size} rank(s), run dir {run_dir}")
+    log.info(f"recipe {cfg.name}: stages {stages}, {info.world_size} rank(s) on {device}, run dir {run_dir}")
 
-    ctx, hooks, mmlu_callback = _setup(cfg, run_dir, info, log)
+    ctx, hooks, mmlu_callback = _setup(cfg, run_dir, info, log, device)
     results: dict[str, Any] = ctx.results
     checkpoint = os.path.join(run_dir, "checkpoint")
 
@@ -119,9 +121,10 @@ def run_recipe(cfg: Any) -> dict[str, Any]:
                       hooks=_StepHooks(), log=log.info)
         results["train"] = {"steps": state.step, "first_loss": state.losses[0], "last_loss": state.losses[-1],
                             "seconds": round(state.seconds, 2)}
-        _save_checkpoint(ctx, checkpoint)
+        if cfg.trainer.save_checkpoint:
+            _save_checkpoint(ctx, checkpoint)
         log.info(f"trained {state.step} steps in {state.seconds:.1f} s: loss {state.losses[0]:.3f} -> "
-                 f"{state.losses[-1]:.3f}; checkpoint {checkpoint}")
+                 f"{state.losses[-1]:.3f}" + (f"; checkpoint {checkpoint}" if cfg.trainer.save_checkpoint else ""))
     if "mmlu" in stages and mmlu_callback is not None:
         mmlu_callback.evaluate(ctx.model, ctx.tokenizer, ctx.layout, step=results.get("train", {}).get("steps"))
         results["mmlu"] = mmlu_callback.last_result.metrics
@@ -129,11 +132,14 @@ def run_recipe(cfg: Any) -> dict[str, Any]:
     if "export" in stages:
         export_result = _export_step(cfg, run_dir)(ctx.model, tokenizer=ctx.tokenizer)
         results["export"] = {"path": export_result.path, "files": export_result.files,
-                             "bytes": export_result.checkpoint_bytes, "seconds": export_result.seconds}
+                             "bytes": export_result.checkpoint_bytes, "seconds": export_result.seconds,
+                             "step_seconds": export_result.step_seconds, "io": export_result.io}
         log.info(f"exported {export_result.checkpoint_bytes / 1e6:.1f} MB in {export_result.files} files "
                  f"to {export_result.path} in {export_result.seconds:.2f} s")
     if "verify" in stages:
         results["verify"] = _verify(cfg, run_dir, ctx, results, info, log)
+    if after is not None:
+        after(ctx)
     if info.rank == 0:
         with open(os.path.join(run_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2, default=str)
@@ -143,7 +149,7 @@ def run_recipe(cfg: Any) -> dict[str, Any]:
     return results
 
 
-def _setup(cfg: Any, run_dir: str, info: Any, log: Any) -> tuple[Any, Any, Any]:
+def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str) -> tuple[Any, Any, Any]:
     from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
     from nemo_moe_export.recipe.hooks import AdapterHook, HookList, MMLUHook, RecipeContext
     from nemo_moe_export.recipe.trainer import build_model, shard_model
@@ -161,8 +167,8 @@ def _setup(cfg: Any, run_dir: str, info: Any, log: Any) -> tuple[Any, Any, Any]:
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(from_checkpoint, "tokenizer"))
     else:
         tokenizer = build_tokenizer(data_root)
-    model = build_model(cfg.model, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    model, layout = shard_model(model, cfg.parallel)
+    model = build_model(cfg.model, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, device=device)
+    model, layout = shard_model(model, cfg.parallel, device=device)
     if from_checkpoint:
         import torch.distributed.checkpoint as dcp
 
@@ -204,7 +210,7 @@ def _export_step(cfg: Any, run_dir: str) -> Any:
     return ExportStep(
         output_dir=cfg.export.output_dir or os.path.join(run_dir, "hf"), dtype=cfg.export.dtype,
         max_shard_size=cfg.export.max_shard_size, overwrite=cfg.export.overwrite, timeout_s=cfg.export.timeout_s,
-        filesystem=cfg.export.filesystem,
+        filesystem=cfg.export.filesystem, writer_threads=cfg.export.writer_threads,
     )
 
 

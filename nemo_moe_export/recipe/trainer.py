@@ -41,18 +41,29 @@ class TrainState:
     seconds: float = 0.0
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int | None = None) -> Any:
-    """The unsharded model, identical on every rank (same seed)."""
+def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int | None = None,
+                device: str = "cpu") -> Any:
+    """The unsharded model, identical on every rank (same seed), built and initialised on ``device``.
+
+    On GPUs the full model is created on each rank's GPU and sharded right after (``shard_model``
+    frees what the rank does not keep): the initialisation runs at GPU speed and every rank draws
+    the same numbers from the same seed.
+    """
     from nemo_moe_export.tiny_models import tiny_model
 
+    dtype = getattr(torch, cfg.dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ExportInputError("unknown parameter dtype", key="model.dtype", expected="float32 | bfloat16",
+                               actual=repr(cfg.dtype))
     family = "deepseek_v3" if cfg.family == "kimi_k2" else cfg.family
     extra = {"pad_token_id": pad_token_id, "bos_token_id": 1, "eos_token_id": 2} if family == "kimi_linear" else {}
-    return tiny_model(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
-                      moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
-                      vocab_size=vocab_size, seed=cfg.seed, **extra)
+    with torch.device(device):
+        return tiny_model(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
+                          moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
+                          vocab_size=vocab_size, seed=cfg.seed, dtype=dtype, **extra)
 
 
-def shard_model(model: Any, cfg: ParallelConfig) -> tuple[Any, ParallelLayout]:
+def shard_model(model: Any, cfg: ParallelConfig, *, device: str = "cpu") -> tuple[Any, ParallelLayout]:
     """Shard ``model`` in place as ``cfg.strategy`` says; returns it with its parallel layout."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -71,10 +82,11 @@ def shard_model(model: Any, cfg: ParallelConfig) -> tuple[Any, ParallelLayout]:
             if cfg.replicate < 1 or world % cfg.replicate:
                 raise ExportInputError("HSDP replicas must divide the world", key="parallel.replicate",
                                        expected=f"a divisor of {world}", actual=cfg.replicate)
-            mesh = init_device_mesh("cpu", (cfg.replicate, world // cfg.replicate),
+            mesh = init_device_mesh(device, (cfg.replicate, world // cfg.replicate),
                                     mesh_dim_names=("dp_replicate", "dp_shard"))
         else:
-            mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+            mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp_shard",))
+        _shard_other_dtype_modules(model, mesh)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -85,12 +97,28 @@ def shard_model(model: Any, cfg: ParallelConfig) -> tuple[Any, ParallelLayout]:
     layout = init_expert_parallel(cfg.ep_size, timeout_s=cfg.timeout_s)
     apply_expert_parallel(model, layout)
     if cfg.strategy == "ep_fsdp":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("dp_shard",))
         experts = {p for p in model.parameters() if isinstance(p, DTensor)}
+        _shard_other_dtype_modules(model, mesh, ignored_params=experts)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh, ignored_params=experts)
         fully_shard(model, mesh=mesh, ignored_params=experts)
     return model, layout
+
+
+def _shard_other_dtype_modules(model: Any, mesh: Any, ignored_params: set | None = None) -> None:
+    """Give modules whose parameters keep another dtype their own FSDP unit.
+
+    transformers keeps some weights in float32 in a bf16 model (DeepSeek-V3's router
+    ``mlp.gate.weight``, ``_keep_in_fp32_modules_strict``), and FSDP2 flattens one dtype per unit.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    dtype = model.dtype
+    for module in list(model.modules()):
+        own = [p for p in module.parameters(recurse=False) if not ignored_params or p not in ignored_params]
+        if module is not model and any(p.dtype != dtype for p in own):
+            fully_shard(module, mesh=mesh, ignored_params=ignored_params)
 
 
 def _sync_unsharded_grads(model: Any, layout: ParallelLayout, world: int) -> None:
@@ -161,6 +189,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))
                                                  * 0.5 * (1 + math.cos(math.pi * min(s, cfg.max_steps) / cfg.max_steps)))
     pad = tokenizer.pad_token_id
+    device = next(model.parameters()).device
     state = TrainState()
     progress = _Progress(cfg.max_steps, enabled=cfg.progress and info.rank == 0)
     start = time.perf_counter()
@@ -175,6 +204,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
             ids[i, : len(x)] = torch.tensor(x)
             mask[i, : len(x)] = 1
             labels[i, len(x) - 1] = x[-1]  # the answer letter
+        ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
         logits = model(input_ids=ids, attention_mask=mask).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
