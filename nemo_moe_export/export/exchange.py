@@ -62,13 +62,15 @@ def exchange_and_write(
     coord: Coordinator,
     *,
     staging_bytes: int = 64 << 20,
+    writer_threads: int = 1,
 ) -> WriteStats:
     """Write the pieces of files this rank owns; send the rest to their owners; receive and write
     what peers send for files this rank owns. Returns this rank's disk-write stats."""
     me = coord.rank
     pieces = [p for p in pieces if p.primary and p.tensor.numel()]
     local = [p for p in pieces if owners[plan.tensors[p.key].file] == coord.global_rank(me)]
-    stats = write_pieces(plan, local, directory, staging_bytes=staging_bytes) if local else WriteStats()
+    stats = (write_pieces(plan, local, directory, staging_bytes=staging_bytes, writer_threads=writer_threads)
+             if local else WriteStats())
 
     # What this rank sends, per destination (group rank), as runs with their sources.
     outgoing: dict[int, list[tuple[_Run, torch.Tensor, torch.dtype]]] = {}

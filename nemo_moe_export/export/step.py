@@ -37,7 +37,7 @@ import shutil
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -245,7 +245,8 @@ def export_hf_checkpoint(
             if filesystem == "local":
                 from nemo_moe_export.export.exchange import exchange_and_write
 
-                stats = exchange_and_write(plan, pieces, partial, owners, coord, staging_bytes=staging_bytes)
+                stats = exchange_and_write(plan, pieces, partial, owners, coord, staging_bytes=staging_bytes,
+                                           writer_threads=writer_threads)
             else:
                 stats = write_pieces(plan, pieces, partial, staging_bytes=staging_bytes,
                                      writer_threads=writer_threads)
@@ -271,8 +272,7 @@ def export_hf_checkpoint(
         path=target, files=len(plan.files), tensors=len(plan.tensors), checkpoint_bytes=plan.total_tensor_bytes,
         rank_bytes_written=stats.bytes_written, seconds=round(time.perf_counter() - t_start, 4),
         step_seconds=times,
-        io=dict(bytes_written=stats.bytes_written, staged_bytes=stats.staged_bytes, copy_seconds=stats.copy_seconds,
-                write_seconds=stats.write_seconds, seconds=stats.seconds, writer_threads=stats.writer_threads),
+        io={k: v for k, v in asdict(stats).items() if k != "files_touched"},
     )
 
 
