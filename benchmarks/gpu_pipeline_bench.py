@@ -51,7 +51,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--run-dir", default=None, help="default: a temp dir (removed at the end)")
     parser.add_argument("--methods", default="gather,dcp,raw_disk", help="export methods beside ours")
     parser.add_argument("--writer-threads", default="1,4", help="ours: pwrite threads per rank, comma-separated")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per export method (median)")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per export method and MMLU policy (median)")
     parser.add_argument("--policies", default="expert_dp,lockstep")
     parser.add_argument("--logits-batch", type=int, default=8)
     args, overrides = parser.parse_known_args(argv)
@@ -156,8 +156,10 @@ def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predicti
     return out
 
 
-def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: list[str]) -> dict[str, Any]:
-    """Each policy on the same held-out questions, after a warm-up; predictions must agree."""
+def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: list[str],
+               repeat: int) -> dict[str, Any]:
+    """Each policy on the same held-out questions, after a warm-up, ``repeat`` times (the median is
+    reported); predictions must agree."""
     import torch
     import torch.distributed as dist
 
@@ -176,21 +178,24 @@ def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: lis
     for policy in policies:
         evaluate_mmlu(ctx.model, ctx.tokenizer, warm, layout=ctx.layout, batch_size=cfg.mmlu.batch_size,
                       policy=policy, coordinator=coordinator, progress=False)
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        started = time.perf_counter()
-        result = evaluate_mmlu(ctx.model, ctx.tokenizer, prepared, layout=ctx.layout,
-                               batch_size=cfg.mmlu.batch_size, policy=policy, coordinator=coordinator,
-                               progress=False)
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        seconds = time.perf_counter() - started
+        runs = []
+        for _ in range(repeat):
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            started = time.perf_counter()
+            result = evaluate_mmlu(ctx.model, ctx.tokenizer, prepared, layout=ctx.layout,
+                                   batch_size=cfg.mmlu.batch_size, policy=policy, coordinator=coordinator,
+                                   progress=False)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            runs.append(time.perf_counter() - started)
+        seconds = sorted(runs)[len(runs) // 2]
         predictions[policy] = result.predictions
-        out[policy] = dict(seconds=round(seconds, 3), questions=len(result.records),
-                           questions_per_s=round(len(result.records) / seconds, 2), steps=result.steps,
-                           padding_waste=round(result.padding["waste"], 4),
+        out[policy] = dict(seconds=round(seconds, 3), runs_seconds=[round(r, 3) for r in runs],
+                           questions=len(result.records), questions_per_s=round(len(result.records) / seconds, 2),
+                           steps=result.steps, padding_waste=round(result.padding["waste"], 4),
                            accuracy=result.metrics["overall"]["acc"])
     first = predictions[policies[0]]
     out["predictions_identical_across_policies"] = all(p == first for p in predictions.values())
@@ -214,7 +219,7 @@ def _measure(ctx: Any, cfg: Any, args: argparse.Namespace) -> None:
     policies = [p for p in args.policies.split(",") if p]
     if dist.get_world_size() == 1:
         policies = [cfg.mmlu.policy]  # one rank: the policies plan the same single stream
-    bench["mmlu"] = _time_mmlu(ctx, cfg, policies, trained_predictions)
+    bench["mmlu"] = _time_mmlu(ctx, cfg, policies, trained_predictions, args.repeat)
     if dist.get_rank() == 0:  # room on the disk for the comparisons
         shutil.rmtree(ctx.results["export"]["path"], ignore_errors=True)
     dist.barrier()
