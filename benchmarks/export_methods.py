@@ -64,12 +64,8 @@ def _clear(root: str) -> None:
 
 
 def measure_exports(model: Any, root: str, *, methods: list[str], repeat: int = 1, shard_size: str = "5GB",
-                    writer_threads: tuple[int, ...] = (1,), raw_threads: tuple[int, ...] = (1, 4),
-                    keep: str | None = None) -> dict[str, Any]:
-    """Run the export ``methods`` on this rank (every rank calls it); returns this rank's results.
-
-    ``keep``: the name of one ``ours`` run whose output is left in ``root/keep`` (for a load check).
-    """
+                    writer_threads: tuple[int, ...] = (1,), raw_threads: tuple[int, ...] = (1, 4)) -> dict[str, Any]:
+    """Run the export ``methods`` on this rank (every rank calls it); returns this rank's results."""
     import torch
     import torch.distributed as dist
 
@@ -207,9 +203,6 @@ def measure_exports(model: Any, root: str, *, methods: list[str], repeat: int = 
     if rank == 0:
         _clear(root)
     dist.barrier()
-    if keep:
-        export_hf_checkpoint(os.path.join(root, keep), model, max_shard_size=shard_size,
-                             writer_threads=writer_threads[-1])
     return results
 
 

@@ -18,10 +18,12 @@ world); :func:`init_expert_parallel` creates Megatron's EP layout without Megatr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from nemo_moe_export.errors import ExportInputError
@@ -73,10 +75,6 @@ def resolve_device(requested: str = "auto") -> str:
     (``LOCAL_WORLD_SIZE``, set by torchrun), else the CPU. ``cuda`` without enough GPUs is refused
     rather than silently run on the CPU.
     """
-    import os
-
-    import torch
-
     if requested not in DEVICES:
         raise ExportInputError("unknown device", key="parallel.device", expected=DEVICES, actual=repr(requested))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -96,10 +94,6 @@ def init_distributed(device: str, timeout_s: float) -> None:
     NCCL when ranks run on GPUs (each on ``cuda:LOCAL_RANK``), gloo on CPUs. Coordination steps
     still run on a gloo side group (:class:`Coordinator`), which honours timeouts.
     """
-    import os
-
-    import torch
-
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" in os.environ and not dist.is_initialized():
