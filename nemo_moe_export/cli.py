@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-CONF_DIR = Path(os.environ.get("NEMO_MOE_EXPORT_CONF", REPO / "conf"))
-RECIPES_DIR = Path(os.environ.get("NEMO_MOE_EXPORT_RECIPES", REPO / "recipes"))
+PACKAGE = Path(__file__).resolve().parent
+CONF_DIR = Path(os.environ.get("NEMO_MOE_EXPORT_CONF", PACKAGE / "conf"))
+RECIPES_DIR = Path(os.environ.get("NEMO_MOE_EXPORT_RECIPES", PACKAGE / "recipes"))
 DEFAULT_RECIPE = "deepseek_v3_tiny"
 
 __all__ = ["load_config", "main", "split_recipe_args"]

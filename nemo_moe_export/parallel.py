@@ -36,6 +36,7 @@ __all__ = [
     "RankGroup",
     "discover_layout",
     "dist_info",
+    "is_global_rank0",
     "expert_parallel_groups",
     "init_distributed",
     "init_expert_parallel",
@@ -63,6 +64,11 @@ def dist_info(group: Any = None) -> DistInfo:
     if dist.is_available() and dist.is_initialized():
         return DistInfo(dist.get_rank(group), dist.get_world_size(group), True)
     return DistInfo(0, 1, False)
+
+
+def is_global_rank0() -> bool:
+    """True on the world's rank 0, and in a process with no process group (the one rank there is)."""
+    return dist_info().rank == 0
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -148,6 +154,30 @@ class Coordinator:
             details = "; ".join(f"rank {self.global_rank(r)}: {statuses[r]}" for r in failed)
             raise PeerError(f"{self.name} step '{step}' failed on ranks {ranks}: {details}",
                             step=step, ranks=ranks) from error
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank of the group, by group rank (``[obj]`` when alone)."""
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def require_same(self, what: str, value: Any, *, key: str, hint: str | None = None) -> None:
+        """Refuse, on every rank, unless every rank computed the same ``value`` (a plan digest, a
+        fingerprint): ranks that built different plans would otherwise drift out of step or write
+        different bytes. The error names which ranks hold which value."""
+        values = self.all_gather(value)
+        if len(set(values)) <= 1:
+            return
+        by_value: dict[Any, list[int]] = {}
+        for r, v in enumerate(values):
+            by_value.setdefault(v, []).append(self.global_rank(r))
+        raise ExportInputError(
+            f"ranks computed different {what}", key=key, expected=f"one {what} on every rank",
+            actual="; ".join(f"ranks {ranks}: {v}" for v, ranks in by_value.items()),
+            hint=hint or "every rank must run the same model, data and options",
+        )
 
     def all_reduce_sum(self, tensor: Any) -> Any:
         """Sum a CPU tensor over the group (gloo, under the coordinator's timeout)."""

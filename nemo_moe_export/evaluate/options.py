@@ -1,0 +1,66 @@
+"""The MMLU evaluation's options: one dataclass, the one home of every evaluation default.
+
+``MMLUOptions`` is what :func:`~nemo_moe_export.evaluate.evaluator.evaluate_mmlu` and
+:class:`~nemo_moe_export.evaluate.callback.MMLUCallback` read; the Hydra group ``mmlu``
+(``config.MMLUConfig``) extends it with the recipe's own fields. Construction validates every
+field, so ``mmlu.policy=lockstpe`` is refused when the config is built, before training starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from nemo_moe_export.options import Options, require
+
+__all__ = ["POLICIES", "SCORING_MODES", "SPLITS", "MMLUOptions"]
+
+POLICIES: tuple[str, ...] = ("lockstep", "expert_dp", "naive")
+"""How batches are sharded over ranks (``evaluate/evaluator.py``); ``naive`` is the unsafe split
+kept only to show the hang is real: the callback and the recipe refuse it."""
+SCORING_MODES: tuple[str, ...] = ("auto", "single_token", "full")
+SPLITS: tuple[str, ...] = ("test", "validation")  # ``dev`` is the few-shot pool, never evaluated
+
+
+@dataclass
+class MMLUOptions(Options):
+    """What is evaluated and how (every field is checked on construction)."""
+
+    what = "MMLU option"
+
+    k_shot: int = 5  # lm-eval's MMLU default
+    batch_size: int = 16  # rows per forward
+    policy: str = "lockstep"  # lockstep | expert_dp (| naive, evaluate_mmlu only)
+    scoring: str = "auto"  # auto | single_token | full
+    uniform_shapes: Optional[bool] = None  # None: on for megatron-core modules
+    max_length: Optional[int] = None  # None: the model's context size (lm-eval's HFLM.max_length)
+    timeout_s: float = 600.0  # each agreement between ranks; keep it above the model groups' timeout
+    progress: bool = True  # a progress bar on global rank 0
+    # what the callback evaluates, and when
+    split: str = "test"
+    subjects: Optional[list[str]] = None  # None: every subject found
+    max_questions: Optional[int] = None  # None: all; else spread evenly over subjects
+    every_n_steps: Optional[int] = None  # None: only at the end of training
+    at_train_end: bool = True
+    plot: bool = True  # PNG charts in the output directory
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.k_shot, int) and self.k_shot >= 0, "k_shot", "an integer >= 0", self.k_shot)
+        _require(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", "an integer >= 1",
+                 self.batch_size)
+        _require(self.policy in POLICIES, "policy", f"one of {list(POLICIES)}", self.policy)
+        _require(self.scoring in SCORING_MODES, "scoring", f"one of {list(SCORING_MODES)}", self.scoring)
+        _require(self.max_length is None or (isinstance(self.max_length, int) and self.max_length >= 1),
+                 "max_length", "None or an integer >= 1", self.max_length)
+        _require(self.timeout_s > 0, "timeout_s", "> 0 seconds", self.timeout_s)
+        _require(self.split in SPLITS, "split", f"one of {list(SPLITS)} (dev is the few-shot pool)", self.split)
+        _require(self.max_questions is None or (isinstance(self.max_questions, int) and self.max_questions >= 1),
+                 "max_questions", "None or an integer >= 1", self.max_questions)
+        _require(self.every_n_steps is None or (isinstance(self.every_n_steps, int) and self.every_n_steps >= 1),
+                 "every_n_steps", "None or an integer >= 1", self.every_n_steps)
+        if self.subjects is not None:
+            self.subjects = list(self.subjects)
+
+
+def _require(ok: bool, key: str, expected: str, actual: object) -> None:
+    require(ok, "MMLU option", key, expected, actual)
