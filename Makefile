@@ -13,9 +13,12 @@ PYTEST_ARGS ?=
 
 setup: $(STAMP)
 
+# setuptools>=77 in the venv itself: tests/test_install.py builds the wheel without build isolation,
+# with the backend pyproject.toml asks for (a fresh venv of Python 3.11 brings setuptools 65 or none).
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "setuptools>=77"
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
@@ -26,7 +29,7 @@ test: setup
 # The main job on its embedded default: train a tiny DeepSeek-V3 MoE on 4 CPU ranks, evaluate MMLU,
 # export to Hugging Face format without a gather, verify and reload. Outputs in runs/deepseek_v3_tiny.
 demo: setup
-	HF_HUB_OFFLINE=1 $(PY) -m nemo_moe_export recipe=deepseek_v3_tiny --nproc 4
+	HF_HUB_OFFLINE=1 $(PY) -m nemo_moe_export recipe=deepseek_v3_tiny export.overwrite=replace --nproc 4
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/adapter_bench.py

@@ -148,7 +148,7 @@ def measure_exports(model: Any, root: str, *, methods: list[str], repeat: int = 
                      storage_writer=HuggingFaceStorageWriter(shards, save_distributed=True,
                                                              fqn_to_index_mapping=mapping))
         if rank == 0:
-            os.makedirs(out, exist_ok=True)  # the helper does not create it (REFERENCE.md section 3)
+            os.makedirs(out, exist_ok=True)  # the consolidation helper does not create its output directory
         dist.barrier()
         consolidate_safetensors_files_on_every_rank(shards, out, mapping, num_threads=1)
         _fsync_tree(out)

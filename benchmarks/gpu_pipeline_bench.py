@@ -164,7 +164,8 @@ def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: lis
     import torch.distributed as dist
 
     from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator, prepare_questions
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator
+    from nemo_moe_export.evaluate.prepare import prepare_questions
 
     loaded = load_mmlu(ctx.data_root, splits=("dev", "test"))
     test, dev = [q for q in loaded if q.split == "test"], [q for q in loaded if q.split == "dev"]

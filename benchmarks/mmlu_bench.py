@@ -79,7 +79,8 @@ def _worker(rank: int, world: int, args, data_dir: str, tok_dir: str, policies: 
     from transformers import PreTrainedTokenizerFast
 
     from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator, prepare_questions
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator
+    from nemo_moe_export.evaluate.prepare import prepare_questions
     from nemo_moe_export.expert_parallel import apply_expert_parallel
     from nemo_moe_export.parallel import discover_layout, init_expert_parallel
 

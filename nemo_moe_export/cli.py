@@ -1,14 +1,20 @@
 """The command line.
 
-    nemo-moe-export [recipe=NAME] [hydra overrides...] [--nproc N]   run a recipe (Hydra main job)
+    nemo-moe-export [recipe=NAME] [hydra overrides...] [--nproc N] [--config-dir DIR]...   run a recipe
     nemo-moe-export verify DIR [--reference REF]                     check an HF checkpoint
-    nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--slurm ...]  NeMo-Run job
+    nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
+                                                                     the same as a NeMo-Run job
 
-The recipe job is a Hydra main: ``recipe=NAME`` picks ``recipes/NAME.yaml`` (default
-``deepseek_v3_tiny``, the embedded demo), config groups come from ``conf/``, and any override in
-Hydra's grammar applies (``trainer.max_steps=300 parallel=ep export.dtype=bfloat16``); types and
-unknown keys are checked by Hydra against the schemas in ``nemo_moe_export/config.py``. It runs
-under ``torchrun`` (one process per rank), or launches itself locally with ``--nproc N``.
+The recipe job is a Hydra main: ``recipe=NAME`` picks ``NAME.yaml`` among the packaged recipes
+(default ``deepseek_v3_tiny``, the embedded demo), config groups come from the packaged ``conf/``, and
+any override in Hydra's grammar applies (``trainer.max_steps=300 parallel=ep export.dtype=bfloat16``);
+types and unknown keys are checked by Hydra against the schemas in ``nemo_moe_export/config.py``. It
+runs under ``torchrun`` (one process per rank), or launches itself locally with ``--nproc N``.
+
+Your own recipes and presets need no change to the package: ``--config-dir DIR`` (repeatable) or
+``NEMO_MOE_EXPORT_CONFIG_PATH=DIR1:DIR2`` puts folders ahead of the packaged ones; each holds recipes at
+its top level (``DIR/my_recipe.yaml``, whose ``defaults`` may name the package's ``base`` and presets)
+and group presets in subfolders (``DIR/model/my_model.yaml``). ``--config-dir`` folders come first.
 """
 
 from __future__ import annotations
@@ -19,57 +25,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PACKAGE = Path(__file__).resolve().parent
-CONF_DIR = Path(os.environ.get("NEMO_MOE_EXPORT_CONF", PACKAGE / "conf"))
-RECIPES_DIR = Path(os.environ.get("NEMO_MOE_EXPORT_RECIPES", PACKAGE / "recipes"))
-DEFAULT_RECIPE = "deepseek_v3_tiny"
+# Config composition lives a layer down (recipe/compose.py), shared with the NeMo-Run launcher, so
+# neither imports the other. load_config stays importable from here for scripts that used it.
+from nemo_moe_export.recipe.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
+                                            split_recipe_args, user_config_dirs)
 
-__all__ = ["load_config", "main", "split_recipe_args"]
-
-
-def split_recipe_args(argv: list[str]) -> tuple[str, list[str], int | None]:
-    """``(recipe, hydra overrides, nproc)`` from a command line."""
-    recipe, overrides, nproc = DEFAULT_RECIPE, [], None
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if arg.startswith("recipe="):
-            recipe = arg.split("=", 1)[1]
-        elif arg == "--nproc":
-            nproc = int(args.pop(0))
-        elif arg.startswith("--nproc="):
-            nproc = int(arg.split("=", 1)[1])
-        else:
-            overrides.append(arg)
-    return recipe, overrides, nproc
+__all__ = ["load_config", "main"]
 
 
-def _check_recipe(recipe: str) -> None:
-    from nemo_moe_export.errors import ExportInputError
-
-    if not (RECIPES_DIR / f"{recipe}.yaml").exists():
-        known = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-        raise ExportInputError("unknown recipe", key="recipe", expected=f"one of {known}", actual=repr(recipe),
-                               hint=f"recipes live in {RECIPES_DIR}")
-
-
-def load_config(recipe: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = ()) -> Any:
-    """Compose a recipe's config exactly as the CLI does (for tests, launchers and notebooks)."""
-    from hydra import compose, initialize_config_dir
-
-    from nemo_moe_export.config import register_configs
-
-    _check_recipe(recipe)
-    register_configs()
-    from nemo_moe_export.config import validate_config
-
-    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
-        cfg = compose(config_name=recipe, overrides=[f"hydra.searchpath=[file://{CONF_DIR}]", *overrides])
-    validate_config(cfg)
-    return cfg
-
-
-def _hydra_main(recipe: str, overrides: list[str]) -> int:
+def _hydra_main(recipe_file: Path, overrides: list[str], user_dirs: list[Path]) -> int:
     import hydra
 
     from nemo_moe_export.config import register_configs
@@ -77,11 +41,11 @@ def _hydra_main(recipe: str, overrides: list[str]) -> int:
 
     register_configs()
 
-    @hydra.main(version_base="1.3", config_path=str(RECIPES_DIR), config_name=recipe)
+    @hydra.main(version_base="1.3", config_path=str(recipe_file.parent), config_name=recipe_file.stem)
     def _main(cfg: Any) -> None:
         run_recipe(cfg)
 
-    sys.argv = [sys.argv[0], f"hydra.searchpath=[file://{CONF_DIR}]", *overrides]
+    sys.argv = [sys.argv[0], *hydra_overrides(hydra_search_path(recipe_file, user_dirs), overrides)]
     _main()
     return 0
 
@@ -120,15 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    recipe, overrides, nproc = split_recipe_args(argv)
+    recipe, overrides, nproc, config_dirs = split_recipe_args(argv)
     if os.environ.get("NEMO_MOE_EXPORT_OVERRIDES"):  # set by the NeMo-Run job (integrations/nemo_run.py)
         import json
 
         overrides += json.loads(os.environ["NEMO_MOE_EXPORT_OVERRIDES"])
-    _check_recipe(recipe)
+    user_dirs = user_config_dirs(config_dirs)
+    recipe_file = find_recipe(recipe, user_dirs)  # an unknown recipe fails once, before any rank starts
     if nproc and "LOCAL_RANK" not in os.environ:
-        return _relaunch_with_torchrun(nproc, [f"recipe={recipe}", *overrides])
-    return _hydra_main(recipe, overrides)
+        # The --config-dir folders made absolute, so the ranks see the same ones whatever their working
+        # directory; NEMO_MOE_EXPORT_CONFIG_PATH reaches them through the environment.
+        cli_dirs = [f"--config-dir={Path(d).expanduser().resolve()}" for d in config_dirs]
+        return _relaunch_with_torchrun(nproc, [f"recipe={recipe}", *cli_dirs, *overrides])
+    return _hydra_main(recipe_file, overrides, user_dirs)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Every group (``model``, ``parallel``, ``trainer``, ``mmlu``, ``export``, ``data`
 registered in Hydra's ConfigStore, so Hydra itself checks types and rejects unknown keys (struct
 mode) with its own error messages, before any rank starts work. Recipes in ``recipes/`` pick a
 preset from each group and list the ordered ``stages`` to run.
+
+A group's dataclass is its defaults: ``mmlu`` and ``export`` extend the components' own options
+(``MMLUOptions``, ``ExportOptions``) with the recipe's fields only, and the YAML presets state only
+what differs from the dataclass (docs/design.md#options-and-defaults; ``tests/test_defaults.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from omegaconf import MISSING
+
+from nemo_moe_export.evaluate.options import MMLUOptions
+from nemo_moe_export.export.options import ExportOptions
 
 __all__ = [
     "DataConfig", "ExportConfig", "MMLUConfig", "ModelConfig", "ParallelConfig", "RecipeConfig",
@@ -67,29 +74,19 @@ class TrainerConfig:
 
 
 @dataclass
-class MMLUConfig:
+class MMLUConfig(MMLUOptions):
+    """The ``mmlu`` group: :class:`MMLUOptions` plus where the recipe's data comes from."""
+
     enabled: bool = True
     data_path: Optional[str] = None  # None: the synthetic corpus the recipe writes
-    subjects: Optional[list[str]] = None
-    k_shot: int = 5
-    batch_size: int = 16
-    policy: str = "lockstep"  # lockstep | expert_dp
-    every_n_steps: Optional[int] = None
-    at_train_end: bool = True
-    max_questions: Optional[int] = None
-    timeout_s: float = 300.0
 
 
 @dataclass
-class ExportConfig:
+class ExportConfig(ExportOptions):
+    """The ``export`` group: :class:`ExportOptions` plus where the recipe writes and reads."""
+
     output_dir: Optional[str] = None  # None: {run_dir}/hf
-    dtype: Optional[str] = None  # bfloat16 | float16 | float32 | None (keep)
-    max_shard_size: str = "5GB"
-    overwrite: str = "error"  # error | replace
-    filesystem: str = "shared"  # shared | local
-    writer_threads: int = 1  # pwrite threads per rank for staged (cast or GPU) bytes
     from_checkpoint: Optional[str] = None  # run export/verify alone on a saved training checkpoint
-    timeout_s: float = 600.0
 
 
 @dataclass

@@ -66,7 +66,7 @@ def test_grouped_layout_round_trips_through_hf_dict(deepseek):
     assert set(pieces) == set(ref)
     for key, piece in pieces.items():
         assert torch.equal(piece.tensor, ref[key]), key
-    # HF gate_proj is gate_and_up_projs[e, :, :I].T (REFERENCE.md section 2)
+    # HF gate_proj is gate_and_up_projs[e, :, :I].T (docs/design.md#key-names)
     gup = grouped["model.layers.1.mlp.experts.gate_and_up_projs"]
     inter = gup.shape[2] // 2
     assert torch.equal(ref["model.layers.1.mlp.experts.3.gate_proj.weight"], gup[3, :, :inter].T)

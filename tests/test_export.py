@@ -27,6 +27,12 @@ def model():
         (dict(overwrite="sometimes"), "unknown overwrite policy"),
         (dict(max_shard_size="lots"), "unreadable size"),
         (dict(writer_threads=0), "writer_threads must be a positive integer"),
+        (dict(filesystem="nfs"), "unknown filesystem mode"),
+        (dict(staging_bytes=12), "staging buffer size must be a positive multiple of 8 bytes"),
+        (dict(writer_ranks=[1]), "writer_ranks must name ranks of the group"),
+        (dict(timeout_s=0), "timeout must be positive"),
+        (dict(keep_dtype=["(unclosed"]), "keep_dtype entries must be regular expressions"),
+        (dict(colour="red"), "unknown export option"),
     ],
 )
 def test_refused_options_write_nothing(model, tmp_path, kwargs, pattern):
@@ -114,3 +120,53 @@ def test_staged_writes_with_several_writer_threads_are_exact(model, tmp_path, th
                  for k, p in get_adapter(model.config).to_hf(model.state_dict()).items()}
     report = verify_checkpoint(tmp_path / "out", reference=reference)
     assert report.ok and report.compared == len(reference), report.summary()
+
+
+def test_options_object_mapping_and_overrides_are_one_set_of_options(model, tmp_path):
+    """``options`` may be an ExportOptions or a mapping; keyword overrides win over it."""
+    from nemo_moe_export.export import ExportOptions
+
+    base = ExportOptions(dtype="float16", max_shard_size="10KB")
+    result = export_hf_checkpoint(tmp_path / "a", model, base, dtype="bfloat16")
+    assert result.files > 1
+    with safe_open(tmp_path / "a" / f"model-00001-of-{result.files:05d}.safetensors", "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    again = export_hf_checkpoint(tmp_path / "b", model, {"max_shard_size": "10KB", "dtype": "bfloat16"})
+    assert (again.files, again.checkpoint_bytes) == (result.files, result.checkpoint_bytes)
+    assert base.dtype == "float16"  # the caller's options are not changed by an override
+
+
+def test_export_step_is_a_target_plus_options_and_a_hook(model, tmp_path):
+    from nemo_moe_export.adapters import get_adapter
+    from nemo_moe_export.export import ExportOptions, ExportStep
+    from nemo_moe_export.hooks import RecipeContext
+
+    step = ExportStep(tmp_path / "out", ExportOptions(dtype="bfloat16"), max_shard_size="10KB")
+    assert step.output_dir == str(tmp_path / "out")
+    assert step.options == ExportOptions(dtype="bfloat16", max_shard_size="10KB")
+    with pytest.raises(ExportInputError, match="unknown overwrite policy"):
+        ExportStep(tmp_path / "never", overwrite="sometimes")  # refused when configured, not at the end
+    ctx = RecipeContext(model=model, layout=None, adapter=get_adapter(model.config))
+    step.on_train_end(ctx)
+    result = ctx.results["export"]
+    assert result.path == str(tmp_path / "out") and result.files > 1
+    assert verify_checkpoint(result.path).ok
+
+
+def test_storage_writer_is_chosen_once_from_the_options():
+    from nemo_moe_export.export import ExportOptions, LocalFilesystemWriter, SharedFilesystemWriter, writer_for
+    from nemo_moe_export.parallel import Coordinator
+
+    coordinator = Coordinator()
+    shared = writer_for(ExportOptions(writer_threads=2), coordinator)
+    assert type(shared) is SharedFilesystemWriter and shared.writer_ranks == [0] and shared.writer_threads == 2
+    local = writer_for(ExportOptions(filesystem="local"), coordinator)
+    assert type(local) is LocalFilesystemWriter and local.writer_ranks == [0]  # the ranks on rank 0's host
+
+
+def test_local_filesystem_mode_in_one_process(model, tmp_path):
+    """With one rank the local-filesystem writer has nobody to exchange with and writes everything."""
+    result = export_hf_checkpoint(tmp_path / "out", model, filesystem="local", max_shard_size="10KB",
+                                  staging_bytes=4096)
+    assert result.rank_bytes_written == result.checkpoint_bytes and result.files > 1
+    assert verify_checkpoint(tmp_path / "out").ok

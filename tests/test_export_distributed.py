@@ -172,7 +172,7 @@ def _stalling_worker(rank, world, workdir):
     """Rank 1 stalls before writing; the others must error out within the timeout, naming the step."""
     import time
 
-    from nemo_moe_export.export import export_hf_checkpoint, step
+    from nemo_moe_export.export import SharedFilesystemWriter, export_hf_checkpoint
     from nemo_moe_export.parallel import PeerError
     from nemo_moe_export.tiny_models import tiny_model
 
@@ -182,7 +182,7 @@ def _stalling_worker(rank, world, workdir):
             time.sleep(20)
             raise RuntimeError("woke up too late")
 
-        step.write_pieces = stall
+        SharedFilesystemWriter.write = stall  # this rank's storage writer never returns in time
     t0 = time.monotonic()
     try:
         export_hf_checkpoint(os.path.join(workdir, "out"), model, timeout_s=5)
@@ -200,3 +200,52 @@ def test_a_stalled_rank_is_an_error_on_the_others_not_a_hang(tmp_path):
         assert "not every rank arrived within 5 s" in outcome["message"]
     assert "Ranks 1 failed to pass monitoredBarrier" in per_rank[0]["message"]  # rank 0 names the missing rank
     assert not os.path.exists(tmp_path / "out")
+
+
+def _disagreeing_worker(rank, world, workdir):
+    """Checks across ranks run after the validate agreement and refuse the same way on every rank."""
+    import torch.distributed as dist
+
+    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.export import export_hf_checkpoint
+    from nemo_moe_export.tiny_models import tiny_model
+
+    model = tiny_model("qwen3_moe", n_experts=4)
+    out = {}
+    try:  # rank 1 plans other file sizes than its peers
+        export_hf_checkpoint(os.path.join(workdir, "plans"), model, max_shard_size="16KB" if rank == 1 else "32KB",
+                             timeout_s=60)
+    except ExportInputError as exc:
+        out["plans"] = dict(problem=exc.problem, key=exc.key, actual=exc.actual)
+    # Plain tensors are primary on global rank 0 only, so a group without rank 0 has no writer for them.
+    without_rank0 = dist.new_group([1, 2], backend="gloo")
+    if rank in (1, 2):
+        try:
+            export_hf_checkpoint(os.path.join(workdir, "coverage"), model, group=without_rank0, timeout_s=60)
+        except ExportInputError as exc:
+            out["coverage"] = dict(problem=exc.problem, key=exc.key, expected=exc.expected, actual=exc.actual)
+    return out
+
+
+def test_different_plans_and_missing_writers_are_refused_on_every_rank(tmp_path):
+    per_rank = spawn(_disagreeing_worker, 3, str(tmp_path), timeout_s=300)
+    plans = [r["plans"] for r in per_rank]
+    assert all(p == plans[0] for p in plans), plans  # the same verdict everywhere
+    assert plans[0]["problem"] == "ranks computed different export plans" and plans[0]["key"] == "plan"
+    assert "ranks [0, 2]: " in plans[0]["actual"] and "ranks [1]: " in plans[0]["actual"]
+    assert "coverage" not in per_rank[0]
+    coverage = [per_rank[1]["coverage"], per_rank[2]["coverage"]]
+    assert coverage[0] == coverage[1], coverage
+    assert coverage[0]["problem"].endswith("tensors would not be written exactly once")
+    from nemo_moe_export.adapters import get_adapter
+    from nemo_moe_export.export import plan_export
+    from nemo_moe_export.tiny_models import tiny_model
+
+    model = tiny_model("qwen3_moe", n_experts=4)
+    plan = plan_export(get_adapter(model.config).hf_metadata(model.state_dict()))
+    first = next(iter(plan.tensors.values()))
+    assert coverage[0]["problem"] == f"{len(plan.tensors)} tensors would not be written exactly once"
+    assert coverage[0]["key"] == first.key
+    assert coverage[0]["expected"] == f"{first.numel} elements with one writer each"
+    assert coverage[0]["actual"] == "0 written by primaries across ranks", coverage[0]
+    assert os.listdir(tmp_path) == [], "a refused export must write nothing"

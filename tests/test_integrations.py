@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_moe_export.export import verify_checkpoint
-from nemo_moe_export.integrations._common import plugin_hooks
+from nemo_moe_export.integrations import plugin_hooks
 from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
 from nemo_moe_export.tiny_models import tiny_model
 
@@ -105,3 +105,45 @@ def test_automodel_adapter_and_recipe_mixin(tmp_path):
     recipe.moe_export_train_end()
     assert verify_checkpoint(tmp_path / "hf", reference=str(tmp_path / "ref")).ok
     assert os.path.exists(tmp_path / "hf" / "config.json")
+    assert recipe.moe_export_results["export"].path == str(tmp_path / "hf")
+
+
+def test_export_reuses_the_adapter_built_at_setup(tmp_path):
+    """One adapter per run: the export writes with ``ctx.adapter`` from the adapter hook and does not
+    look one up again. After setup the config's model_type names no adapter table, so a second
+    lookup would fail; the export still succeeds and matches save_pretrained."""
+    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.integrations import make_context
+
+    model = tiny_model("qwen3_moe", n_experts=4)
+    model.save_pretrained(tmp_path / "ref")
+    hooks = plugin_hooks(export=dict(output_dir=str(tmp_path / "hf")))
+    ctx = make_context(model)
+    hooks.on_setup(ctx)
+    built = ctx.adapter
+    assert built is not None and "qwen3_moe" in built.table.model_types
+    model.config.model_type = "not_a_known_family"  # an instance attribute: config.json keeps the class's
+    with pytest.raises(ExportInputError, match="no state-dict adapter"):
+        plugin_hooks().on_setup(make_context(model))  # what a second lookup would do
+    hooks.on_train_end(ctx)
+    assert ctx.adapter is built
+    report = verify_checkpoint(tmp_path / "hf", reference=str(tmp_path / "ref"))
+    assert report.ok and report.compared == report.tensors, report.summary()
+
+
+def test_hook_protocol_is_one_and_public():
+    """The recipe's trainer, the callbacks and the integrations share nemo_moe_export.hooks."""
+    import inspect
+
+    import nemo_moe_export
+    from nemo_moe_export import hooks, integrations
+    from nemo_moe_export.evaluate.callback import MMLUCallback
+    from nemo_moe_export.export import ExportStep
+
+    for cls in (MMLUCallback, ExportStep, hooks.AdapterHook, hooks.HookList):
+        assert list(inspect.signature(cls.on_setup).parameters) == ["self", "ctx"], cls
+        assert list(inspect.signature(cls.on_step_end).parameters) == ["self", "ctx", "step"], cls
+        assert list(inspect.signature(cls.on_train_end).parameters) == ["self", "ctx"], cls
+    assert issubclass(MMLUCallback, hooks.Hook) and issubclass(hooks.AdapterHook, hooks.Hook)
+    assert integrations.plugin_hooks is hooks.plugin_hooks is nemo_moe_export.plugin_hooks
+    assert integrations.make_context is hooks.make_context is nemo_moe_export.make_context

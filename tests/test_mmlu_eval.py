@@ -127,7 +127,9 @@ class ForwardCounter:
 
 def _run_policies(model, tok, test, dev, layout, label: str, policies=("lockstep", "expert_dp"), **kw) -> dict:
     """Evaluate under each policy; keep the answers, the forward count and this rank's step plan."""
-    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, plan_batches, plan_steps, prepare_questions
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
+    from nemo_moe_export.evaluate.planning import plan_batches, plan_steps
+    from nemo_moe_export.evaluate.prepare import prepare_questions
 
     counter = ForwardCounter(model)
     out = {}
@@ -173,6 +175,7 @@ def _equivalence_worker(rank: int, world: int, data_dir: str, tok_dir: str, out_
 
     from nemo_moe_export.evaluate.callback import MMLUCallback
     from nemo_moe_export.expert_parallel import apply_expert_parallel
+    from nemo_moe_export.hooks import RecipeContext
     from nemo_moe_export.parallel import discover_layout, init_expert_parallel
 
     tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(tok_dir, "single"))
@@ -188,11 +191,15 @@ def _equivalence_worker(rank: int, world: int, data_dir: str, tok_dir: str, out_
                              uniform_shapes=True)
     results |= _run_policies(model2, split_tok, test, dev, layout2, "ep2-full", policies=("lockstep",))
 
+    # The hook protocol, as a training loop drives it: steps 1..3, then the end of training.
     callback = MMLUCallback(data_dir, every_n_steps=2, k_shot=K_SHOT, batch_size=BATCH,
                             output_dir=out_dir, timeout_s=60, progress=False)
-    results["callback"] = [callback.on_step_end(1, model2, tok, layout2),
-                           callback.on_step_end(2, model2, tok, layout2),
-                           callback.on_train_end(model2, tok, layout2, step=3)]
+    ctx = RecipeContext(model=model2, layout=layout2, tokenizer=tok)
+    for step in (1, 2, 3):
+        callback.on_step_end(ctx, step)
+    callback.on_train_end(ctx)
+    results["callback"] = {"during": ctx.results["mmlu_during_training"], "final": ctx.results["mmlu"],
+                           "final_flat": callback.history[-1]["metrics"]}
     results["callback_pred"] = callback.last_result.predictions
 
     layout4 = init_expert_parallel(4, timeout_s=60)
@@ -351,12 +358,13 @@ def test_predictions_match_a_direct_forward(inputs, reference):
 def test_one_position_list_per_batch_equals_per_row_positions(inputs, reference, monkeypatch):
     """transformers releases before per-row ``logits_to_keep`` get one 1-D list of positions per
     batch (each row then picks its own): same predictions, scores within float rounding."""
-    from nemo_moe_export.evaluate import evaluator
+    from nemo_moe_export.evaluate import runner
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
 
-    monkeypatch.setattr(evaluator, "_accepts_row_positions", lambda: False)
+    monkeypatch.setattr(runner, "_accepts_row_positions", lambda: False)
     test, dev = load_split_data(inputs["data"])
-    result = evaluator.evaluate_mmlu(build_model(), _tokenizer(inputs), test, dev, k_shot=K_SHOT, batch_size=BATCH,
-                                     progress=False)
+    result = evaluate_mmlu(build_model(), _tokenizer(inputs), test, dev, k_shot=K_SHOT, batch_size=BATCH,
+                           progress=False)
     got = summary(result)
     assert got["pred"] == reference["single"]["pred"]
     for mine, theirs in zip(got["scores"], reference["single"]["scores"]):
@@ -411,7 +419,8 @@ def build_model_with_vocab(vocab_size: int):
 
 def test_plan_balances_steps_and_keeps_padding_low(inputs):
     """Planning alone (no ranks): equal step counts for safe policies, uneven for naive."""
-    from nemo_moe_export.evaluate.evaluator import plan_batches, plan_steps, prepare_questions
+    from nemo_moe_export.evaluate.planning import plan_batches, plan_steps
+    from nemo_moe_export.evaluate.prepare import prepare_questions
     from nemo_moe_export.parallel import ParallelLayout, RankGroup
 
     test, dev = load_split_data(inputs["data"])
@@ -514,11 +523,13 @@ def test_bad_input_raises_on_every_rank_before_any_collective(distributed):
 def test_callback_writes_results(distributed, reference):
     per_rank, out_dir = distributed
     for rank, results in enumerate(per_rank):
-        skipped, at_two, at_end = results["callback"]
-        assert skipped is None, "evaluated at step 1 with every_n_steps=2"
+        during, final, at_end = (results["callback"][k] for k in ("during", "final", "final_flat"))
+        assert [r["step"] for r in during] == [2], "with every_n_steps=2, steps 1 and 3 are not evaluated"
+        at_two = {k: v for k, v in during[0].items() if k != "step"}
         assert at_two["mmlu/acc"] == pytest.approx(reference["single"]["metrics"]["overall"]["acc"])
         accuracy = {k: v for k, v in at_two.items() if k.endswith("/acc")}
         assert {k: at_end[k] for k in accuracy} == accuracy and len(accuracy) == 5
+        assert final == reference["single"]["metrics"], f"rank {rank}: ctx.results['mmlu']"
         assert results["callback_pred"] == reference["single"]["pred"]
     payload = json.loads(open(os.path.join(out_dir, "mmlu_results.json")).read())
     assert payload["step"] == 3 and payload["policy"] == "lockstep"

@@ -11,7 +11,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from safetensors.torch import load_file
 
-from nemo_moe_export.cli import load_config
+from nemo_moe_export.recipe.compose import load_config
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.recipe.stages import check_stages
 
@@ -68,6 +68,41 @@ def test_stage_order_and_inputs(stages, pattern):
     cfg = load_config("deepseek_v3_tiny", [f"stages=[{','.join(stages)}]"])
     with pytest.raises(ExportInputError, match=pattern):
         check_stages(cfg)
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("mmlu.policy=lockstpe", "key 'policy'.*got 'lockstpe'"),
+    ("mmlu.policy=naive", "key 'policy'.*naive hangs"),
+    ("export.max_shard_size=5 gigs", "max_shard_size"),
+    ("export.writer_threads=0", "key 'writer_threads'.*got 0"),
+])
+def test_every_stage_option_is_checked_before_any_work(override, pattern, tmp_path):
+    """run_recipe builds every stage's options first: a bad value is refused before the process
+    group, the model or the first training step, and nothing is written."""
+    from nemo_moe_export.recipe.stages import run_recipe
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(ExportInputError, match=pattern):
+        run_recipe(load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", override]))
+    assert not run_dir.exists()
+
+
+def test_an_existing_export_target_is_refused_before_training(tmp_path):
+    """Re-running a recipe into the same run_dir fails in a second, naming the way out, instead of
+    after training (export.overwrite defaults to error); with replace it is accepted up front."""
+    from nemo_moe_export.recipe.stages import check_export_target, export_target, run_recipe
+
+    run_dir = tmp_path / "run"
+    (run_dir / "hf").mkdir(parents=True)
+    cfg = load_config("deepseek_v3_tiny", [f"run_dir={run_dir}"])
+    assert cfg.export.overwrite == "error"
+    with pytest.raises(ExportInputError, match="export target already exists.*pass export.overwrite=replace"):
+        run_recipe(cfg)
+    assert sorted(os.listdir(run_dir)) == ["hf"], "nothing was set up or written"
+    replace = load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", "export.overwrite=replace"])
+    check_export_target(export_target(replace, str(run_dir)), replace.export.overwrite)  # accepted
+    # A run without the export stage does not care (verify reads the existing export).
+    check_stages(load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", "stages=[verify]"]))
 
 
 def _cli(args, timeout=400):

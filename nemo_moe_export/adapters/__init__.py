@@ -1,5 +1,8 @@
 """State-dict adapters: one engine (``engine.py``) and one small table per model family (``tables.py``).
 
+Layers, lowest first: ``sources.py`` (checkpoint readers) <- ``fp8.py`` (the FP8 block reader) <-
+``engine.py`` <- ``tables.py``.
+
 >>> adapter = get_adapter(model.config)          # picked by config.model_type
 >>> shards = adapter.to_hf(model.state_dict())   # {hf_key: HFShard}, views of this rank's shards
 >>> adapter.from_hf(model.state_dict(), "ckpt/") # fills this rank's shards, reading only its slices
@@ -9,15 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_moe_export.adapters.engine import (
-    HFShard,
-    KeyRule,
-    LoadReport,
-    ModelTable,
-    StateDictAdapter,
-    TensorMeta,
-    expert_rules,
-)
+from nemo_moe_export.adapters.engine import HFShard, KeyRule, LoadReport, ModelTable, StateDictAdapter, expert_rules
+from nemo_moe_export.adapters.sources import SafetensorsSource, TensorDictSource, TensorMeta
 from nemo_moe_export.adapters.tables import TABLES
 from nemo_moe_export.errors import ExportInputError
 
@@ -26,7 +22,9 @@ __all__ = [
     "KeyRule",
     "LoadReport",
     "ModelTable",
+    "SafetensorsSource",
     "StateDictAdapter",
+    "TensorDictSource",
     "TensorMeta",
     "expert_rules",
     "get_adapter",

@@ -20,32 +20,22 @@ error before anything is touched.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from nemo_moe_export.adapters.fp8 import open_source
+from nemo_moe_export.adapters.sources import TensorDictSource, TensorMeta
 from nemo_moe_export.errors import ExportInputError, current_rank
 from nemo_moe_export.layout import LocalBox, local_box
 
-__all__ = [
-    "HFShard",
-    "KeyRule",
-    "LoadReport",
-    "ModelTable",
-    "SafetensorsSource",
-    "StateDictAdapter",
-    "TensorMeta",
-    "TensorDictSource",
-    "expert_rules",
-]
+__all__ = ["HFShard", "KeyRule", "LoadReport", "ModelTable", "StateDictAdapter", "expert_rules"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -127,14 +117,6 @@ class ModelTable:
 
 
 @dataclass(frozen=True)
-class TensorMeta:
-    """Global shape and dtype of one HF tensor; identical on every rank."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
 class HFShard:
     """One rank's part of one HF tensor.
 
@@ -165,123 +147,6 @@ class LoadReport:
     expert_bytes_read: int = 0
     slices_read: int = 0
     keys_filled: list[str] = field(default_factory=list)
-
-
-# --------------------------------------------------------------------------------------------------
-# Sources for from_hf
-# --------------------------------------------------------------------------------------------------
-
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-def _box_slices(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, shape))
-
-
-class SafetensorsSource:
-    """HF safetensors checkpoint (a directory with or without an index, or one file).
-
-    Reads slices only (``safe_open(...).get_slice(key)[...]``) and counts the bytes it returns.
-    """
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        from safetensors import safe_open
-
-        path = os.fspath(path)
-        if os.path.isdir(path):
-            index = os.path.join(path, "model.safetensors.index.json")
-            if os.path.exists(index):
-                with open(index) as f:
-                    weight_map = json.load(f)["weight_map"]
-                files = {k: os.path.join(path, v) for k, v in weight_map.items()}
-            else:
-                single = os.path.join(path, "model.safetensors")
-                if not os.path.exists(single):
-                    raise ExportInputError(
-                        "no safetensors checkpoint found",
-                        key=path,
-                        expected="model.safetensors.index.json or model.safetensors",
-                        actual=sorted(os.listdir(path)),
-                    )
-                files = None
-                self._single = single
-        else:
-            files, self._single = None, path
-        self._stack = ExitStack()
-        self._handles: dict[str, Any] = {}
-        self._open = lambda p: safe_open(p, framework="pt", device="cpu")
-        if files is None:
-            handle = self._handle(self._single)
-            files = {k: self._single for k in handle.keys()}
-        self._files = files
-        self.bytes_read = 0
-
-    def _handle(self, file: str) -> Any:
-        if file not in self._handles:
-            if not os.path.exists(file):
-                raise ExportInputError(
-                    "checkpoint index points at a missing file", key=file, expected="file exists",
-                    actual="missing",
-                )
-            self._handles[file] = self._stack.enter_context(self._open(file))
-        return self._handles[file]
-
-    def keys(self) -> set[str]:
-        return set(self._files)
-
-    def meta(self, key: str) -> TensorMeta:
-        handle = self._handle(self._files[key])
-        if key not in handle.keys():
-            raise ExportInputError(
-                "checkpoint index lists a key its file does not hold",
-                key=key, expected=f"key in {os.path.basename(self._files[key])}", actual="absent",
-            )
-        sl = handle.get_slice(key)
-        dtype = sl.get_dtype()
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise ExportInputError("unsupported safetensors dtype", key=key,
-                                   expected=sorted(_SAFETENSORS_DTYPES), actual=dtype)
-        return TensorMeta(tuple(sl.get_shape()), _SAFETENSORS_DTYPES[dtype])
-
-    def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        handle = self._handle(self._files[key])
-        out = handle.get_slice(key)[_box_slices(offsets, shape)] if shape else handle.get_tensor(key)
-        self.bytes_read += out.numel() * out.element_size()
-        return out
-
-    def read_whole(self, key: str) -> torch.Tensor:
-        return self._handle(self._files[key]).get_tensor(key)
-
-    def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-
-class TensorDictSource:
-    """An in-memory HF state dict (``{key: tensor}``) as a source."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        self._tensors = tensors
-        self.bytes_read = 0
-
-    def keys(self) -> set[str]:
-        return set(self._tensors)
-
-    def meta(self, key: str) -> TensorMeta:
-        t = self._tensors[key]
-        return TensorMeta(tuple(t.shape), t.dtype)
-
-    def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        out = self._tensors[key][_box_slices(offsets, shape)] if shape else self._tensors[key]
-        self.bytes_read += out.numel() * out.element_size()
-        return out
-
-    def close(self) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,49 +236,52 @@ class StateDictAdapter:
         out[hf_key] = meta
 
     def _validate(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        prefixes: dict[tuple[str, str], dict[str, torch.Tensor]] = defaultdict(dict)
+        """Refuse malformed expert tensors and MoE layers missing part of their layout."""
+        layers: dict[tuple[str, str], dict[str, torch.Tensor]] = defaultdict(dict)
         for key, tensor, rule, m in self._entries(state_dict):
             if rule is None:
                 continue
-            shape = tuple(tensor.shape)
-            if rule.per_expert:
-                if len(shape) != 3:
-                    raise ExportInputError(
-                        "stacked expert tensor must be 3-D [experts, rows, cols]", key=key,
-                        expected="3 dims", actual=f"shape {shape}",
-                    )
-                if shape[0] != self.num_experts:
-                    raise ExportInputError(
-                        "expert count in the tensor disagrees with the config", key=key,
-                        expected=f"{self.num_experts} experts (config)", actual=f"{shape[0]} (shape {shape})",
-                        hint="build the adapter from the config the model was created with",
-                    )
-            inner = shape[1:] if rule.per_expert else shape
-            if len(rule.targets) > 1 and (
-                len(inner) <= rule.split_dim or inner[rule.split_dim] % len(rule.targets)
-            ):
-                raise ExportInputError(
-                    f"cannot split into {len(rule.targets)} equal parts along dim {rule.split_dim}",
-                    key=key, expected=f"a size divisible by {len(rule.targets)}", actual=f"shape {shape}",
-                )
-            if rule.transpose and len(inner) != 2:
-                raise ExportInputError("transposed tensor must be 2-D per part", key=key,
-                                       expected="2 dims", actual=f"shape {inner}")
+            self._check_rule_shape(key, rule, tuple(tensor.shape))
             if rule.group is not None:
-                prefixes[(rule.group, m.group("prefix"))][rule.source] = tensor
-        # An MoE layer must have every tensor of its layout, with agreeing shapes and dtypes.
-        by_group: dict[str, list[str]] = defaultdict(list)
-        for rule in self.table.rules:
-            if rule.group is not None:
-                by_group[rule.group].append(rule.source)
-        for (group, prefix), found in prefixes.items():
-            missing = [s for s in by_group[group] if s not in found]
-            if missing:
-                raise ExportInputError(
-                    "MoE layer is missing an expert tensor", key=prefix,
-                    expected=f"keys matching {by_group[group]}", actual=f"only {sorted(found)}",
-                )
+                layers[(rule.group, m.group("prefix"))][rule.source] = tensor
+        for (group, prefix), found in layers.items():
+            self._check_layer_complete(group, prefix, found)
             self._check_expert_siblings(group, prefix, found)
+
+    def _check_rule_shape(self, key: str, rule: KeyRule, shape: tuple[int, ...]) -> None:
+        """A tensor can take its rule: 3-D with the config's expert count when per expert, divisible
+        into the rule's parts, 2-D per part when transposed."""
+        if rule.per_expert:
+            if len(shape) != 3:
+                raise ExportInputError(
+                    "stacked expert tensor must be 3-D [experts, rows, cols]", key=key,
+                    expected="3 dims", actual=f"shape {shape}",
+                )
+            if shape[0] != self.num_experts:
+                raise ExportInputError(
+                    "expert count in the tensor disagrees with the config", key=key,
+                    expected=f"{self.num_experts} experts (config)", actual=f"{shape[0]} (shape {shape})",
+                    hint="build the adapter from the config the model was created with",
+                )
+        inner = shape[1:] if rule.per_expert else shape
+        parts = len(rule.targets)
+        if parts > 1 and (len(inner) <= rule.split_dim or inner[rule.split_dim] % parts):
+            raise ExportInputError(
+                f"cannot split into {parts} equal parts along dim {rule.split_dim}",
+                key=key, expected=f"a size divisible by {parts}", actual=f"shape {shape}",
+            )
+        if rule.transpose and len(inner) != 2:
+            raise ExportInputError("transposed tensor must be 2-D per part", key=key,
+                                   expected="2 dims", actual=f"shape {inner}")
+
+    def _check_layer_complete(self, group: str, prefix: str, found: dict[str, torch.Tensor]) -> None:
+        """An MoE layer has every tensor of its layout (both gate/up and down)."""
+        needed = [r.source for r in self.table.rules if r.group == group]
+        if any(s not in found for s in needed):
+            raise ExportInputError(
+                "MoE layer is missing an expert tensor", key=prefix,
+                expected=f"keys matching {needed}", actual=f"only {sorted(found)}",
+            )
 
     def _check_expert_siblings(self, group: str, prefix: str, found: dict[str, torch.Tensor]) -> None:
         metas = []
@@ -478,30 +346,17 @@ class StateDictAdapter:
         tensor they alias. Official FP8 block-quantized checkpoints (``quantization_config`` in
         ``config.json``) are dequantized slice by slice into the model's dtype (``fp8.py``).
         """
-        from nemo_moe_export.adapters.fp8 import open_source
-
         expected = self.hf_metadata(state_dict)
         src = TensorDictSource(source) if isinstance(source, Mapping) else open_source(source)
         try:
             self._check_source(expected, src, strict=strict, allow_dtype_cast=allow_dtype_cast)
-            pieces = list(self._pieces(state_dict))
-            report = LoadReport()
-            with torch.no_grad():
-                for piece in pieces:
-                    before = src.bytes_read
-                    piece.tensor.copy_(src.read(piece.key, piece.offsets, tuple(piece.tensor.shape)))
-                    nbytes = src.bytes_read - before  # bytes taken from the checkpoint (FP8 + scales)
-                    report.bytes_read += nbytes
-                    report.slices_read += 1
-                    if piece.expert is not None:
-                        report.expert_bytes_read += nbytes
-                    report.keys_filled.append(piece.key)
-            return report
+            return _copy_boxes(list(self._pieces(state_dict)), src)
         finally:
             src.close()
 
     def _check_source(self, expected: dict[str, TensorMeta], src: Any, *, strict: bool,
                       allow_dtype_cast: bool) -> None:
+        """Refuse, before anything is copied, a checkpoint whose keys, shapes or dtypes do not fit."""
         have = src.keys()
         missing = sorted(set(expected) - have)
         if missing:
@@ -520,21 +375,42 @@ class StateDictAdapter:
                 "pass strict=False to ignore keys the model does not use",
             )
         for key, meta in expected.items():
-            got = src.meta(key)
-            if got.shape != meta.shape:
-                raise ExportInputError("checkpoint tensor has the wrong shape", key=key,
-                                       expected=meta.shape, actual=got.shape)
-            dequantized = getattr(src, "dequantizes", lambda _: False)(key)
-            if dequantized and not meta.dtype.is_floating_point:
-                raise ExportInputError("an FP8 weight can only fill a floating-point tensor", key=key,
-                                       expected="a floating-point model tensor", actual=meta.dtype)
-            if got.dtype != meta.dtype and not dequantized and not (
-                allow_dtype_cast and got.dtype.is_floating_point and meta.dtype.is_floating_point
-            ):
-                raise ExportInputError(
-                    "checkpoint tensor has the wrong dtype", key=key, expected=meta.dtype, actual=got.dtype,
-                    hint="pass allow_dtype_cast=True to cast floating-point weights to the model's dtype",
-                )
+            _check_stored_tensor(key, meta, src, allow_dtype_cast=allow_dtype_cast)
+
+
+def _check_stored_tensor(key: str, meta: TensorMeta, src: Any, *, allow_dtype_cast: bool) -> None:
+    """The stored tensor has the model's shape, and its dtype or one ``from_hf`` may convert from."""
+    got = src.meta(key)
+    if got.shape != meta.shape:
+        raise ExportInputError("checkpoint tensor has the wrong shape", key=key,
+                               expected=meta.shape, actual=got.shape)
+    dequantized = getattr(src, "dequantizes", lambda _: False)(key)
+    if dequantized and not meta.dtype.is_floating_point:
+        raise ExportInputError("an FP8 weight can only fill a floating-point tensor", key=key,
+                               expected="a floating-point model tensor", actual=meta.dtype)
+    if got.dtype != meta.dtype and not dequantized and not (
+        allow_dtype_cast and got.dtype.is_floating_point and meta.dtype.is_floating_point
+    ):
+        raise ExportInputError(
+            "checkpoint tensor has the wrong dtype", key=key, expected=meta.dtype, actual=got.dtype,
+            hint="pass allow_dtype_cast=True to cast floating-point weights to the model's dtype",
+        )
+
+
+def _copy_boxes(pieces: list[HFShard], src: Any) -> LoadReport:
+    """Copy each piece's box out of ``src`` into the piece's view of the model's shard."""
+    report = LoadReport()
+    with torch.no_grad():
+        for piece in pieces:
+            before = src.bytes_read
+            piece.tensor.copy_(src.read(piece.key, piece.offsets, tuple(piece.tensor.shape)))
+            nbytes = src.bytes_read - before  # bytes taken from the checkpoint (FP8 + scales)
+            report.bytes_read += nbytes
+            report.slices_read += 1
+            if piece.expert is not None:
+                report.expert_bytes_read += nbytes
+            report.keys_filled.append(piece.key)
+    return report
 
 
 # --------------------------------------------------------------------------------------------------

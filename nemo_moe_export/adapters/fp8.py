@@ -10,7 +10,7 @@ router stay in high precision.
 box of a quantized weight reads that box of the FP8 tensor and only the scale rows and columns the
 box touches (a box that starts or ends inside a block still uses that block's scale), then
 dequantizes in fp32: ``w.float() * scale`` per element. No rank reads or materialises a full FP8 or
-high-precision tensor it does not own.
+high-precision tensor it does not own (docs/design.md#fp8-block-format).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from nemo_moe_export.adapters.engine import SafetensorsSource, TensorMeta
+from nemo_moe_export.adapters.sources import SafetensorsSource, TensorMeta
 from nemo_moe_export.errors import ExportInputError
 
 __all__ = ["Fp8BlockSource", "fp8_block_size", "open_source", "quantize_block_fp8"]

@@ -2,8 +2,8 @@
 
 In-memory names are those of transformers 5 (fused ``experts.gate_up_proj`` / ``experts.down_proj``)
 or NeMo AutoModel (grouped ``experts.gate_and_up_projs`` / ``experts.down_projs``); both layouts are
-covered by :func:`expert_rules`. HF names are what transformers 5 ``save_pretrained`` writes (see
-``shared/REFERENCE.md`` section 2); the tests compare against ``save_pretrained`` itself.
+covered by :func:`expert_rules`. HF names are what transformers 5 ``save_pretrained`` writes
+(docs/design.md#key-names); the tests compare against ``save_pretrained`` itself.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """MMLU evaluation as lm-evaluation-harness defines it: data loading, prompts, tokenization, scoring.
 
-The pieces (data, prompts, scoring) are single-process and deterministic so they can be checked
-against lm-eval's definition in isolation; the distributed driver (:mod:`.evaluator`) only plans,
-shards and runs forwards, and :mod:`.callback` wraps it for training loops.
+The task is data (:mod:`.data`, :mod:`.prompts`, :mod:`.scoring`: single-process and
+deterministic, so they can be checked against lm-eval's definition in isolation); the engine runs
+it over any parallel layout, one module per step: :mod:`.prepare` (tokenize and validate),
+:mod:`.planning` (batches and who runs what), :mod:`.runner` (one padded forward),
+:mod:`.results` (per-question records), driven by :mod:`.evaluator`. :mod:`.options` holds every
+default; :mod:`.callback` wraps the driver for training loops.
 """
 
 from nemo_moe_export.evaluate.callback import MMLUCallback, spread_subset
@@ -15,18 +18,10 @@ from nemo_moe_export.evaluate.data import (
     load_mmlu,
     require_dev_examples,
 )
-from nemo_moe_export.evaluate.evaluator import (
-    POLICIES,
-    SCORING_MODES,
-    MMLUResult,
-    MMLUStepError,
-    PreparedQuestions,
-    evaluate_mmlu,
-    phase_coordinator,
-    plan_batches,
-    plan_steps,
-    prepare_questions,
-)
+from nemo_moe_export.evaluate.evaluator import MMLUStepError, evaluate_mmlu, phase_coordinator
+from nemo_moe_export.evaluate.options import POLICIES, SCORING_MODES, MMLUOptions
+from nemo_moe_export.evaluate.planning import Batch, StepPlan, plan_batches, plan_steps
+from nemo_moe_export.evaluate.prepare import PreparedQuestions, Row, default_max_length, prepare_questions
 from nemo_moe_export.evaluate.prompts import (
     ANSWER_CONTINUATIONS,
     EncodedRequest,
@@ -38,6 +33,7 @@ from nemo_moe_export.evaluate.prompts import (
     single_token_answer_ids,
     truncate_left,
 )
+from nemo_moe_export.evaluate.results import MMLUResult
 from nemo_moe_export.evaluate.scoring import (
     aggregate,
     continuation_logprob,
@@ -48,12 +44,17 @@ from nemo_moe_export.evaluate.scoring import (
 
 __all__ = [
     "ANSWER_CONTINUATIONS",
+    "Batch",
     "MMLUCallback",
+    "MMLUOptions",
     "MMLUResult",
     "MMLUStepError",
     "POLICIES",
     "PreparedQuestions",
+    "Row",
     "SCORING_MODES",
+    "StepPlan",
+    "default_max_length",
     "evaluate_mmlu",
     "phase_coordinator",
     "plan_batches",

@@ -1,10 +1,12 @@
 """MMLU during training: a callback any training loop can call, on every rank.
 
-:class:`MMLUCallback` knows nothing about the trainer: the loop calls
-``on_step_end(step, model, tokenizer, layout)`` after each optimizer step and
-``on_train_end(model, tokenizer, layout)`` once at the end, on every rank (the evaluation is
-collective). Data is loaded and tokenized once, on the first evaluation, and reused; bad data,
-unknown subjects or a k larger than a subject's dev split raise
+:class:`MMLUCallback` is a :class:`~nemo_moe_export.hooks.Hook` and knows nothing about the
+trainer: the loop calls ``on_step_end(ctx, step)`` after each optimizer step and
+``on_train_end(ctx)`` once at the end, on every rank (the evaluation is collective), with the
+:class:`~nemo_moe_export.hooks.RecipeContext` holding the model, tokenizer and layout
+(docs/design.md#hooks); ``evaluate(model, tokenizer, layout)`` runs one evaluation directly.
+Data is loaded and tokenized once, on the first evaluation, and reused; bad data, unknown
+subjects or a k larger than a subject's dev split raise
 :class:`~nemo_moe_export.errors.ExportInputError` there, on every rank, before any collective.
 
 On global rank 0 each evaluation writes, into ``output_dir``:
@@ -27,26 +29,25 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.evaluate.data import Question, load_mmlu, normalize_split
-from nemo_moe_export.evaluate.evaluator import (
-    POLICIES,
-    SCORING_MODES,
-    MMLUResult,
+from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator
+from nemo_moe_export.evaluate.options import MMLUOptions
+from nemo_moe_export.evaluate.prepare import (
     PreparedQuestions,
     default_max_length,
-    evaluate_mmlu,
-    phase_coordinator,
+    model_vocab_size,
     prepare_questions,
 )
+from nemo_moe_export.evaluate.results import MMLUResult
 from nemo_moe_export.evaluate.scoring import results_to_markdown
-from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout
+from nemo_moe_export.hooks import Hook, RecipeContext
+from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
 
 __all__ = ["MMLUCallback", "spread_subset"]
 
@@ -67,84 +68,74 @@ def spread_subset(questions: Sequence[Question], limit: int | None) -> list[Ques
     return [questions[i] for i in sorted(chosen)]
 
 
-class MMLUCallback:
+class MMLUCallback(Hook):
     """Evaluate MMLU every ``every_n_steps`` steps and/or at the end of training.
 
-    Arguments mirror :func:`~nemo_moe_export.evaluate.evaluator.evaluate_mmlu`; ``policy`` is
-    ``"lockstep"`` (default: batches over the whole data-parallel group, all ranks busy) or
-    ``"expert_dp"`` (EP peers share batches). ``max_questions`` caps the evaluated questions,
-    spread evenly over subjects (:func:`spread_subset`), for a quick in-training signal.
-    ``timeout_s`` bounds each agreement between ranks (see the evaluator's module docstring for
-    how it combines with the process groups' own timeouts).
+    What is evaluated and how is :class:`~nemo_moe_export.evaluate.options.MMLUOptions`:
+    ``options`` (an ``MMLUOptions``, a config node such as the recipe's ``mmlu`` group, or a
+    mapping) with keyword ``overrides`` of its fields applied (``k_shot=0, every_n_steps=500``),
+    validated here, so a bad value is refused before training starts. ``policy`` is
+    ``"lockstep"`` or ``"expert_dp"`` (``"naive"`` is refused: it hangs under EP and FSDP);
+    ``max_questions`` caps the evaluated questions, spread evenly over subjects
+    (:func:`spread_subset`). ``output_dir`` receives the result files on global rank 0;
+    ``log_fn(metrics, step)`` receives the flat metrics there.
+
+    As a hook, it records what it measures in ``ctx.results``: each evaluation during training is
+    appended to ``"mmlu_during_training"`` (``{"step": step, **flat metrics}``), the one at the
+    end of training is ``"mmlu"`` (per-subject, per-category and overall metrics).
     """
 
     def __init__(
         self,
         data_path: str | os.PathLike[str],
-        every_n_steps: int | None = None,
-        at_train_end: bool = True,
-        subjects: Sequence[str] | None = None,
-        k_shot: int = 5,
-        batch_size: int = 8,
-        policy: str = "lockstep",
-        output_dir: str | os.PathLike[str] = "mmlu_eval",
-        max_questions: int | None = None,
-        timeout_s: float = 600.0,
+        options: MMLUOptions | Mapping[str, Any] | Any = None,
         *,
-        split: str = "test",
-        scoring: str = "auto",
-        uniform_shapes: bool | None = None,
-        max_length: int | None = None,
-        progress: bool = True,
-        plot: bool = True,
+        output_dir: str | os.PathLike[str] = "mmlu_eval",
         log_fn: Callable[[dict[str, float], int | None], None] | None = None,
+        **overrides: Any,
     ) -> None:
-        _require(every_n_steps is None or (isinstance(every_n_steps, int) and every_n_steps >= 1),
-                 "every_n_steps", "None or an integer >= 1", every_n_steps)
-        _require(policy in POLICIES and policy != "naive", "policy", "'lockstep' or 'expert_dp'", policy)
-        _require(scoring in SCORING_MODES, "scoring", f"one of {list(SCORING_MODES)}", scoring)
-        _require(isinstance(k_shot, int) and k_shot >= 0, "k_shot", "an integer >= 0", k_shot)
-        _require(isinstance(batch_size, int) and batch_size >= 1, "batch_size", "an integer >= 1", batch_size)
-        _require(max_questions is None or (isinstance(max_questions, int) and max_questions >= 1),
-                 "max_questions", "None or an integer >= 1", max_questions)
-        _require(timeout_s > 0, "timeout_s", "> 0", timeout_s)
+        _require(options is None or not isinstance(options, (str, bytes, int, float, os.PathLike)), "options",
+                 "MMLUOptions, a config node or a mapping of its fields (keyword overrides go by name)", options)
+        if "split" in overrides:  # the data loader's aliases ("val") are accepted here as they were
+            overrides["split"] = normalize_split(overrides["split"])
+        self.options = MMLUOptions.of(options, **overrides)
+        _require(self.options.policy != "naive", "policy", "'lockstep' or 'expert_dp' (naive hangs under EP/FSDP)",
+                 self.options.policy)
         self.data_path = Path(data_path)
-        self.split = normalize_split(split)
-        _require(self.split != "dev", "split", "'test' or 'validation' (dev is the few-shot pool)", split)
-        self.every_n_steps, self.at_train_end = every_n_steps, at_train_end
-        self.subjects = list(subjects) if subjects is not None else None
-        self.k_shot, self.batch_size, self.policy, self.scoring = k_shot, batch_size, policy, scoring
         self.output_dir = Path(output_dir)
-        self.max_questions, self.timeout_s = max_questions, timeout_s
-        self.uniform_shapes, self.max_length = uniform_shapes, max_length
-        self.progress, self.plot, self.log_fn = progress, plot, log_fn
+        self.log_fn = log_fn
         self.history: list[dict[str, Any]] = []
         self.last_result: MMLUResult | None = None
-        self._last_step: int | None = None
+        self._last_step: int | None = None  # the step of the last evaluation
+        self._seen_step: int | None = None  # the last step the training loop reported
         self._data: tuple[list[Question], list[Question]] | None = None
         self._prepared: tuple[tuple[int, int], PreparedQuestions] | None = None
         self._coordinators: dict[tuple[int, ...], Coordinator] = {}
 
-    # --- hooks ------------------------------------------------------------------------------------
+    # --- hooks (docs/design.md#hooks) -------------------------------------------------------------
 
     def should_evaluate(self, step: int) -> bool:
-        return self.every_n_steps is not None and step > 0 and step % self.every_n_steps == 0
+        every = self.options.every_n_steps
+        return every is not None and step > 0 and step % every == 0
 
-    def on_step_end(self, step: int, model: Any, tokenizer: Any,
-                    layout: ParallelLayout | None = None) -> dict[str, float] | None:
-        """Evaluate when ``step`` is a multiple of ``every_n_steps``; the flat metrics, else None."""
+    def on_step_end(self, ctx: RecipeContext, step: int) -> None:
+        """Evaluate when ``step`` is a multiple of ``every_n_steps``; appends the flat metrics with
+        the step to ``ctx.results["mmlu_during_training"]``."""
+        self._seen_step = step
         if not self.should_evaluate(step):
-            return None
-        return self.evaluate(model, tokenizer, layout, step=step)
+            return
+        metrics = self.evaluate(ctx.model, ctx.tokenizer, ctx.layout, step=step)
+        ctx.results.setdefault("mmlu_during_training", []).append({"step": step, **metrics})
 
-    def on_train_end(self, model: Any, tokenizer: Any, layout: ParallelLayout | None = None,
-                     step: int | None = None) -> dict[str, float] | None:
-        """Final evaluation (unless disabled, or the last step was just evaluated)."""
-        if not self.at_train_end:
-            return None
-        if step is not None and step == self._last_step and self.history:
-            return self.history[-1]["metrics"]
-        return self.evaluate(model, tokenizer, layout, step=step)
+    def on_train_end(self, ctx: RecipeContext) -> None:
+        """The final evaluation into ``ctx.results["mmlu"]`` (unless ``at_train_end`` is off); the
+        last step's evaluation is reused when the loop's last step was just evaluated."""
+        if not self.options.at_train_end:
+            return
+        step = self._seen_step
+        if not (step is not None and step == self._last_step and self.history):
+            self.evaluate(ctx.model, ctx.tokenizer, ctx.layout, step=step)
+        ctx.results["mmlu"] = self.last_result.metrics
 
     # --- evaluation -------------------------------------------------------------------------------
 
@@ -154,11 +145,8 @@ class MMLUCallback:
         layout = layout if layout is not None else discover_layout()
         prepared = self._prepare(model, tokenizer)  # bad input raises here, before any collective
         coordinator = self._coordinator(layout)
-        result = evaluate_mmlu(
-            model, tokenizer, prepared, layout=layout, batch_size=self.batch_size, policy=self.policy,
-            uniform_shapes=self.uniform_shapes, timeout_s=self.timeout_s, coordinator=coordinator,
-            progress=self.progress,
-        )
+        result = evaluate_mmlu(model, tokenizer, prepared, layout=layout, options=self.options,
+                               coordinator=coordinator)
         metrics = result.flat_metrics()
         self.last_result, self._last_step = result, step
         self.history.append({"step": step, "metrics": metrics})
@@ -167,18 +155,19 @@ class MMLUCallback:
 
     def _prepare(self, model: Any, tokenizer: Any) -> PreparedQuestions:
         """Load and tokenize once per (tokenizer, max_length); deterministic, so equal on all ranks."""
+        o = self.options
         if self._data is None:
-            loaded = load_mmlu(self.data_path, splits=("dev", self.split), subjects=self.subjects)
+            loaded = load_mmlu(self.data_path, splits=("dev", o.split), subjects=o.subjects)
             dev = [q for q in loaded if q.split == "dev"]
-            evaluated = spread_subset([q for q in loaded if q.split == self.split], self.max_questions)
+            evaluated = spread_subset([q for q in loaded if q.split == o.split], o.max_questions)
             self._data = (dev, evaluated)
-        max_length = self.max_length or default_max_length(model, tokenizer)
+        max_length = o.max_length or default_max_length(model, tokenizer)
         key = (id(tokenizer), max_length)
         if self._prepared is None or self._prepared[0] != key:
             dev, evaluated = self._data
             prepared = prepare_questions(
-                tokenizer, evaluated, dev, k_shot=self.k_shot, max_length=max_length, scoring=self.scoring,
-                vocab_size=getattr(getattr(model, "config", None), "vocab_size", None))
+                tokenizer, evaluated, dev, k_shot=o.k_shot, max_length=max_length, scoring=o.scoring,
+                vocab_size=model_vocab_size(model))
             self._prepared = (key, prepared)
         return self._prepared[1]
 
@@ -186,7 +175,7 @@ class MMLUCallback:
         """One coordinator per DP group, reused (creating one may create a process group)."""
         key = tuple(layout.dp.ranks)
         if key not in self._coordinators:
-            self._coordinators[key] = phase_coordinator(layout, timeout_s=self.timeout_s, name="mmlu")
+            self._coordinators[key] = phase_coordinator(layout, timeout_s=self.options.timeout_s, name="mmlu")
         return self._coordinators[key]
 
     # --- output -----------------------------------------------------------------------------------
@@ -195,7 +184,7 @@ class MMLUCallback:
                  coordinator: Coordinator) -> None:
         """Rank 0 writes files and logs; every rank learns whether writing worked."""
         error: BaseException | None = None
-        if _is_global_rank0():
+        if is_global_rank0():
             try:
                 self.write_outputs(result, step)
                 _log_summary(result, step)
@@ -212,7 +201,8 @@ class MMLUCallback:
         """Write the JSON, markdown and (if matplotlib is importable) PNG files; their paths."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         payload = {
-            "step": step, "data_path": str(self.data_path), "split": self.split, "k_shot": self.k_shot,
+            "step": step, "data_path": str(self.data_path), "split": self.options.split,
+            "k_shot": self.options.k_shot,
             "policy": result.policy, "layout": result.layout, "timing": result.timing,
             "padding": result.padding, "scoring": result.scoring, "steps": result.steps,
             "results": result.metrics, "metrics": result.flat_metrics(), "predictions": result.records,
@@ -220,11 +210,11 @@ class MMLUCallback:
         }
         paths = {"json": self.output_dir / RESULTS_JSON, "markdown": self.output_dir / RESULTS_MD}
         _write_atomic(paths["json"], json.dumps(payload, indent=1) + "\n")
-        header = (f"## MMLU ({self.k_shot}-shot{'' if step is None else f', step {step}'})\n\n"
+        header = (f"## MMLU ({self.options.k_shot}-shot{'' if step is None else f', step {step}'})\n\n"
                   f"policy `{result.policy}`, {result.timing['questions_per_s']:.1f} questions/s, "
                   f"padding waste {100 * result.padding['waste']:.1f}%\n\n")
         _write_atomic(paths["markdown"], header + results_to_markdown(result.metrics))
-        if self.plot and _plot_categories(result.metrics, self.output_dir / CATEGORY_PNG, step):
+        if self.options.plot and _plot_categories(result.metrics, self.output_dir / CATEGORY_PNG, step):
             paths["png"] = self.output_dir / CATEGORY_PNG
         return paths
 
@@ -232,10 +222,6 @@ class MMLUCallback:
 def _require(ok: bool, key: str, expected: str, actual: Any) -> None:
     if not ok:
         raise ExportInputError("bad MMLUCallback argument", key=key, expected=expected, actual=repr(actual))
-
-
-def _is_global_rank0() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _write_atomic(path: Path, text: str) -> None:

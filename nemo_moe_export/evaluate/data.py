@@ -57,7 +57,7 @@ _SPLIT_FILE_NAMES = {"dev": ("dev",), "validation": ("val", "validation"), "test
 CATEGORIES: tuple[str, ...] = ("stem", "humanities", "social_sciences", "other")
 
 # lm-eval's grouping (lm_eval/tasks/mmlu/default/mmlu_*.yaml "tag": mmlu_{category}_tasks, v0.4.13);
-# identical to REFERENCE.md section 5. 19 + 13 + 12 + 13 = 57 subjects.
+# the grouping of docs/design.md#mmlu-definition. 19 + 13 + 12 + 13 = 57 subjects.
 _CATEGORY_SUBJECTS: dict[str, tuple[str, ...]] = {
     "stem": (
         "abstract_algebra", "anatomy", "astronomy", "college_biology", "college_chemistry",

@@ -16,7 +16,7 @@ from nemo_moe_export.options import Options, require
 __all__ = ["POLICIES", "SCORING_MODES", "SPLITS", "MMLUOptions"]
 
 POLICIES: tuple[str, ...] = ("lockstep", "expert_dp", "naive")
-"""How batches are sharded over ranks (``evaluate/evaluator.py``); ``naive`` is the unsafe split
+"""How batches are sharded over ranks (``evaluate/planning.py``); ``naive`` is the unsafe split
 kept only to show the hang is real: the callback and the recipe refuse it."""
 SCORING_MODES: tuple[str, ...] = ("auto", "single_token", "full")
 SPLITS: tuple[str, ...] = ("test", "validation")  # ``dev`` is the few-shot pool, never evaluated

@@ -11,17 +11,17 @@ one incoming chunk beyond its own shards.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
-from itertools import zip_longest
+import socket
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import zip_longest
 
 import torch
 import torch.distributed as dist
 
-from nemo_moe_export.adapters.engine import HFShard
+from nemo_moe_export.adapters import HFShard
 from nemo_moe_export.export.plan import ExportPlan
-from nemo_moe_export.export.writer import WriteStats, _pwrite_all, byte_runs, write_pieces
+from nemo_moe_export.export.writer import OpenFiles, WriteStats, byte_runs, pwrite_all, write_pieces
 from nemo_moe_export.parallel import Coordinator
 
 __all__ = ["exchange_and_write", "same_host_ranks"]
@@ -34,15 +34,15 @@ class _Run:
     nbytes: int
 
 
-def same_host_ranks(coord: Coordinator, host: int = 0) -> list[int]:
-    """Global ranks running on the same host as rank ``host`` (they see the same local disk)."""
-    import socket
+_Outgoing = list[tuple[_Run, torch.Tensor, torch.dtype]]  # runs to one peer, with their sources
 
-    names: list[str | None] = [None] * coord.world_size
-    if coord.active:
-        dist.all_gather_object(names, socket.gethostname(), group=coord.group)
-    else:
-        names = [socket.gethostname()]
+
+def same_host_ranks(coord: Coordinator, host: int = 0) -> list[int]:
+    """Global ranks running on the same host as rank ``host`` (they see the same local disk).
+
+    A collective over ``coord``'s group: every rank must call it.
+    """
+    names = coord.all_gather(socket.gethostname())
     return [coord.global_rank(r) for r, name in enumerate(names) if name == names[host]]
 
 
@@ -61,65 +61,76 @@ def exchange_and_write(
     owners: dict[str, int],
     coord: Coordinator,
     *,
-    staging_bytes: int = 64 << 20,
-    writer_threads: int = 1,
+    staging_bytes: int,
+    writer_threads: int,
 ) -> WriteStats:
     """Write the pieces of files this rank owns; send the rest to their owners; receive and write
-    what peers send for files this rank owns. Returns this rank's disk-write stats."""
-    me = coord.rank
+    what peers send for files this rank owns. Returns this rank's disk-write stats.
+
+    A collective over ``coord``'s group (an all-gather of what goes where, then the send rounds).
+    """
+    me = coord.global_rank(coord.rank)
     pieces = [p for p in pieces if p.primary and p.tensor.numel()]
-    local = [p for p in pieces if owners[plan.tensors[p.key].file] == coord.global_rank(me)]
+    local = [p for p in pieces if owners[plan.tensors[p.key].file] == me]
     stats = (write_pieces(plan, local, directory, staging_bytes=staging_bytes, writer_threads=writer_threads)
              if local else WriteStats())
+    outgoing = _outgoing_runs(plan, pieces, owners, coord)
+    # Every rank learns what each peer will send it, so receives are posted for exactly those runs.
+    manifests = coord.all_gather({dst: [run for run, _, _ in items] for dst, items in outgoing.items()})
+    files = OpenFiles(directory)
+    try:
+        send_buf = torch.empty(staging_bytes, dtype=torch.uint8)
+        recv_buf = torch.empty(staging_bytes, dtype=torch.uint8)
+        for r in range(1, coord.world_size):
+            dst, src = (coord.rank + r) % coord.world_size, (coord.rank - r) % coord.world_size
+            incoming = manifests[src].get(coord.rank, [])
+            _exchange_round(coord, dst, src, outgoing.get(dst, []), incoming, (send_buf, recv_buf), files, stats)
+        files.fsync()
+    finally:
+        files.close()
+    stats.files_touched |= files.names
+    return stats
 
-    # What this rank sends, per destination (group rank), as runs with their sources.
-    outgoing: dict[int, list[tuple[_Run, torch.Tensor, torch.dtype]]] = {}
+
+def _outgoing_runs(plan: ExportPlan, pieces: list[HFShard], owners: dict[str, int],
+                   coord: Coordinator) -> dict[int, _Outgoing]:
+    """What this rank sends, per destination (group rank): the byte runs of pieces of files that
+    another rank owns, with their sources and stored dtypes."""
+    outgoing: dict[int, _Outgoing] = {}
     group_rank_of = {coord.global_rank(r): r for r in range(coord.world_size)}
     for p in pieces:
         planned = plan.tensors[p.key]
         owner = group_rank_of[owners[planned.file]]
-        if owner == me:
+        if owner == coord.rank:
             continue
         for offset, source in byte_runs(p, planned):
             run = _Run(planned.file, offset, source.numel() * planned.element_size)
             outgoing.setdefault(owner, []).append((run, source, planned.dtype))
-    manifests: list[dict[int, list[_Run]]] = [{}] * coord.world_size
-    mine = {dst: [run for run, _, _ in items] for dst, items in outgoing.items()}
-    dist.all_gather_object(manifests, mine, group=coord.group)
-
-    fds: dict[str, int] = {}
-    send_buf = torch.empty(staging_bytes, dtype=torch.uint8)
-    recv_buf = torch.empty(staging_bytes, dtype=torch.uint8)
-    try:
-        for r in range(1, coord.world_size):
-            dst, src = (me + r) % coord.world_size, (me - r) % coord.world_size
-            sends = _outgoing_chunks(outgoing.get(dst, []), staging_bytes)
-            recvs = [(run.file, run.offset + start, n) for run in manifests[src].get(me, [])
-                     for start, n in _chunks(run.nbytes, staging_bytes)]
-            for send, recv in zip_longest(sends, recvs):
-                works = []
-                if send is not None:
-                    works.append(dist.isend(_stage(*send, send_buf), dst=coord.global_rank(dst), group=coord.group))
-                if recv is not None:
-                    file, offset, n = recv
-                    works.append(dist.irecv(recv_buf[:n], src=coord.global_rank(src), group=coord.group))
-                for w in works:
-                    w.wait()
-                if recv is not None:
-                    if file not in fds:
-                        fds[file] = os.open(os.path.join(directory, file), os.O_WRONLY)
-                    stats.bytes_written += _pwrite_all(fds[file], recv_buf[:n].numpy(), offset)
-                    stats.runs += 1
-        for fd in fds.values():
-            os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    stats.files_touched |= set(fds)
-    return stats
+    return outgoing
 
 
-def _outgoing_chunks(items, staging_bytes: int):
+def _exchange_round(coord: Coordinator, dst: int, src: int, sends: _Outgoing, receives: list[_Run],
+                    buffers: tuple[torch.Tensor, torch.Tensor], files: OpenFiles, stats: WriteStats) -> None:
+    """One round: send chunk after chunk to ``dst`` while receiving from ``src`` and writing what
+    arrives; sender and receiver cut every run identically, so the chunks pair up."""
+    send_buf, recv_buf = buffers
+    staging_bytes = send_buf.numel()
+    recvs = [(run.file, run.offset + start, n) for run in receives for start, n in _chunks(run.nbytes, staging_bytes)]
+    for send, recv in zip_longest(_outgoing_chunks(sends, staging_bytes), recvs):
+        works = []
+        if send is not None:
+            works.append(dist.isend(_stage(*send, send_buf), dst=coord.global_rank(dst), group=coord.group))
+        if recv is not None:
+            works.append(dist.irecv(recv_buf[:recv[2]], src=coord.global_rank(src), group=coord.group))
+        for w in works:
+            w.wait()
+        if recv is not None:
+            file, offset, n = recv
+            stats.bytes_written += pwrite_all(files.fd(file), recv_buf[:n].numpy(), offset)
+            stats.runs += 1
+
+
+def _outgoing_chunks(items: _Outgoing, staging_bytes: int) -> Iterator[tuple[torch.Tensor, torch.dtype]]:
     """``(part, dtype)`` for every chunk of every outgoing run, cut exactly as the receiver cuts it.
 
     Lazy on purpose: a non-contiguous source (a transposed grouped-layout piece) is flattened once,

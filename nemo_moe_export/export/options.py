@@ -1,20 +1,25 @@
 """The export's options: one dataclass, the one home of every export default.
 
-``ExportOptions`` is what :func:`~nemo_moe_export.export.step.export_hf_checkpoint` reads; the
-Hydra group ``export`` (``config.ExportConfig``) extends it with the recipe's own fields, so a
-default is declared once. Construction validates every field (``__post_init__``), so a typo in a
-recipe is refused when the config is built, before training starts.
+``ExportOptions`` is what :func:`~nemo_moe_export.export.step.export_hf_checkpoint` and
+:class:`~nemo_moe_export.export.step.ExportStep` read; the Hydra group ``export``
+(``config.ExportConfig``) extends it with the recipe's own fields, so a default is declared once
+(docs/design.md#options-and-defaults). Construction validates every field (``__post_init__``), so
+a typo in a recipe is refused when the config is built, before training starts. What depends on
+the process group (``writer_ranks`` naming ranks that exist) is checked by the export itself.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.options import Options, require
+import torch
 
-__all__ = ["FILESYSTEMS", "OVERWRITE_POLICIES", "ExportOptions", "parse_dtype"]
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.options import Options
+
+__all__ = ["FILESYSTEMS", "OVERWRITE_POLICIES", "ExportOptions", "parse_dtype", "parse_size"]
 
 OVERWRITE_POLICIES = ("error", "replace")
 FILESYSTEMS = ("shared", "local")
@@ -44,39 +49,79 @@ class ExportOptions(Options):
     timeout_s: float = 600.0  # every agreement between ranks
 
     def __post_init__(self) -> None:
-        _choice("overwrite", self.overwrite, OVERWRITE_POLICIES)
-        _choice("filesystem", self.filesystem, FILESYSTEMS)
-        parse_dtype(self.dtype)
-        from nemo_moe_export.export.plan import parse_size
-
-        parse_size(self.max_shard_size)
-        _require(isinstance(self.staging_bytes, int) and self.staging_bytes > 0 and self.staging_bytes % 8 == 0,
-                 "staging_bytes", "a positive multiple of 8 bytes, e.g. 64 << 20", self.staging_bytes)
-        _require(isinstance(self.writer_threads, int) and self.writer_threads >= 1,
-                 "writer_threads", "an integer >= 1", self.writer_threads)
-        _require(self.writer_ranks is None or (len(self.writer_ranks) > 0 and all(
-            isinstance(r, int) and r >= 0 for r in self.writer_ranks)),
-                 "writer_ranks", "None or a non-empty list of ranks", self.writer_ranks)
-        _require(self.timeout_s > 0, "timeout_s", "> 0 seconds", self.timeout_s)
         self.keep_dtype = list(self.keep_dtype)
+        _check_choice("overwrite", self.overwrite, OVERWRITE_POLICIES, "unknown overwrite policy")
+        _check_choice("filesystem", self.filesystem, FILESYSTEMS, "unknown filesystem mode")
+        parse_dtype(self.dtype)
+        parse_size(self.max_shard_size)
+        _check_patterns(self.keep_dtype)
+        _check_writers(self.writer_ranks, self.writer_threads, self.staging_bytes)
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ExportInputError("timeout must be positive", key="timeout_s", expected="> 0 seconds",
+                                   actual=repr(self.timeout_s))
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """``dtype`` as a torch dtype (None: keep every tensor's own dtype)."""
+        return parse_dtype(self.dtype)
 
 
-def parse_dtype(dtype: Any) -> Any:
+def parse_dtype(dtype: Any) -> torch.dtype | None:
     """``None`` or a floating ``torch.dtype`` from a dtype or its name (``"bfloat16"``)."""
     if dtype is None:
         return None
-    import torch
-
     value = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ExportInputError("unknown or non-floating export dtype", key="dtype",
-                               expected="bfloat16, float16, float32 or None", actual=repr(dtype))
+    if not isinstance(value, torch.dtype):
+        raise ExportInputError("unknown dtype", key="dtype", expected="e.g. bfloat16, float16, float32",
+                               actual=repr(dtype))
+    if not value.is_floating_point:
+        raise ExportInputError("export dtype must be floating point", key="dtype",
+                               expected="e.g. torch.bfloat16", actual=value)
     return value
 
 
-def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    _require(value in allowed, key, f"one of {list(allowed)}", value)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def _require(ok: bool, key: str, expected: str, actual: object) -> None:
-    require(ok, "export option", key, expected, actual)
+def parse_size(size: int | str) -> int:
+    """``5GB`` -> 5e9, ``64MiB`` -> 64 * 2**20, ints pass through (as transformers' max_shard_size)."""
+    if isinstance(size, int):
+        value = size
+    else:
+        m = _SIZE.match(str(size))
+        if not m:
+            raise ExportInputError("unreadable size", key="max_shard_size", expected="e.g. 5GB, 512MiB or bytes",
+                                   actual=repr(size))
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if value <= 0:
+        raise ExportInputError("size must be positive", key="max_shard_size", expected="> 0", actual=value)
+    return value
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...], problem: str) -> None:
+    if value not in allowed:
+        raise ExportInputError(problem, key=key, expected=allowed, actual=repr(value))
+
+
+def _check_patterns(patterns: list[str]) -> None:
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as exc:
+            raise ExportInputError("keep_dtype entries must be regular expressions", key="keep_dtype",
+                                   expected="e.g. [r'\\.gate\\.weight$']", actual=f"{pattern!r} ({exc})") from exc
+
+
+def _check_writers(writer_ranks: Any, writer_threads: Any, staging_bytes: Any) -> None:
+    if not isinstance(staging_bytes, int) or staging_bytes <= 0 or staging_bytes % 8:
+        raise ExportInputError("staging buffer size must be a positive multiple of 8 bytes",
+                               key="staging_bytes", expected="e.g. 64 << 20", actual=staging_bytes)
+    if not isinstance(writer_threads, int) or writer_threads < 1:
+        raise ExportInputError("writer_threads must be a positive integer", key="writer_threads",
+                               expected=">= 1", actual=repr(writer_threads))
+    if writer_ranks is not None and (len(writer_ranks) == 0 or any(
+            not isinstance(r, int) or r < 0 for r in writer_ranks)):
+        raise ExportInputError("writer_ranks must name ranks of the group", key="writer_ranks",
+                               expected="None or a non-empty list of ranks", actual=writer_ranks)

@@ -4,38 +4,41 @@ Pure: it depends only on global key names, shapes and dtypes (``StateDictAdapter
 and the options, so every rank computes the identical plan with no communication. Writers then
 place their bytes at the planned offsets; a plan always tiles each file exactly (header, then
 tensors back to back, no gaps, no trailing bytes), which is what safetensors requires.
+
+Besides the layout, the plan answers the questions the export step asks before writing
+(docs/design.md#export-plan-and-invariants): which rank owns each file (:func:`assign_file_owners`),
+whether every rank planned the same thing (:meth:`ExportPlan.digest`), and whether the ranks'
+pieces cover every element exactly once (:func:`element_counts`, :func:`check_coverage`).
 """
 
 from __future__ import annotations
 
-import json
+import hashlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from nemo_moe_export.adapters.engine import TensorMeta
+from nemo_moe_export.adapters import HFShard, TensorMeta
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.options import ExportOptions, parse_size
+from nemo_moe_export.safetensors_format import TensorEntry, dtype_name, encode_header, encode_index
 
 __all__ = [
     "ExportPlan",
     "PlannedFile",
     "PlannedTensor",
-    "SAFETENSORS_DTYPE_NAMES",
+    "assign_file_owners",
+    "check_coverage",
+    "element_counts",
     "natural_key",
     "parse_size",
     "plan_export",
 ]
 
-SAFETENSORS_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-
-INDEX_NAME = "model.safetensors.index.json"
+_FILE_METADATA = {"format": "pt"}  # what save_pretrained writes: transformers reads it as torch weights
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class PlannedTensor:
     @property
     def element_size(self) -> int:
         return self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -71,8 +78,16 @@ class ExportPlan:
 
     def index_json(self) -> str:
         weight_map = {key: self.tensors[key].file for f in self.files for key in f.keys}
-        return json.dumps({"metadata": {"total_size": self.total_tensor_bytes}, "weight_map": weight_map},
-                          indent=2) + "\n"
+        return encode_index(weight_map, self.total_tensor_bytes)
+
+    def digest(self) -> str:
+        """A fingerprint of the whole layout (file names and headers fix every offset): ranks whose
+        digests differ would write different files."""
+        h = hashlib.sha256()
+        for f in self.files:
+            h.update(f.name.encode())
+            h.update(f.header)
+        return h.hexdigest()
 
 
 def natural_key(key: str) -> tuple:
@@ -80,42 +95,12 @@ def natural_key(key: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key))
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """``5GB`` -> 5e9, ``64MiB`` -> 64 * 2**20, ints pass through (as transformers' max_shard_size)."""
-    if isinstance(size, int):
-        value = size
-    else:
-        m = _SIZE.match(str(size))
-        if not m:
-            raise ExportInputError("unreadable size", key="max_shard_size", expected="e.g. 5GB, 512MiB or bytes",
-                                   actual=repr(size))
-        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
-    if value <= 0:
-        raise ExportInputError("size must be positive", key="max_shard_size", expected="> 0", actual=value)
-    return value
-
-
-def _header(entries: list[tuple[str, TensorMeta, int, int]]) -> bytes:
-    header = {"__metadata__": {"format": "pt"}}
-    for key, meta, start, end in entries:
-        header[key] = {"dtype": SAFETENSORS_DTYPE_NAMES[meta.dtype], "shape": list(meta.shape),
-                       "data_offsets": [start, end]}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes with spaces
-    return len(raw).to_bytes(8, "little") + raw
-
-
 def plan_export(
     metadata: Mapping[str, TensorMeta],
     *,
     dtype: torch.dtype | None = None,
-    keep_dtype: tuple[str, ...] = (),
-    max_shard_size: int | str = "5GB",
+    keep_dtype: Sequence[str] = (),
+    max_shard_size: int | str = ExportOptions.max_shard_size,
 ) -> ExportPlan:
     """Lay out the checkpoint: files of at most ``max_shard_size`` tensor bytes, keys in natural order.
 
@@ -127,17 +112,32 @@ def plan_export(
     if dtype is not None and not dtype.is_floating_point:
         raise ExportInputError("export dtype must be floating point", key="dtype",
                                expected="e.g. torch.bfloat16", actual=dtype)
-    keep = [re.compile(p) for p in keep_dtype]
+    metas = _stored_metas(metadata, dtype, [re.compile(p) for p in keep_dtype])
+    groups = _pack_into_files(metas, limit)
+    files, tensors = [], {}
+    for i, keys in enumerate(groups):
+        planned_file, planned_tensors = _lay_out_file(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors",
+                                                      keys, metas)
+        files.append(planned_file)
+        tensors.update(planned_tensors)
+    return ExportPlan(tuple(files), tensors)
+
+
+def _stored_metas(metadata: Mapping[str, TensorMeta], dtype: torch.dtype | None,
+                  keep: list[re.Pattern[str]]) -> dict[str, TensorMeta]:
+    """Each key's shape and stored dtype (after the cast), in natural key order."""
     metas: dict[str, TensorMeta] = {}
     for key in sorted(metadata, key=natural_key):
         meta = metadata[key]
-        if meta.dtype not in SAFETENSORS_DTYPE_NAMES:
-            raise ExportInputError("dtype has no safetensors encoding", key=key,
-                                   expected=sorted(map(str, SAFETENSORS_DTYPE_NAMES)), actual=meta.dtype)
+        dtype_name(meta.dtype, key=key)  # refuses a dtype safetensors cannot store
         if dtype is not None and meta.dtype.is_floating_point and not any(p.search(key) for p in keep):
             meta = TensorMeta(meta.shape, dtype)
         metas[key] = meta
+    return metas
 
+
+def _pack_into_files(metas: Mapping[str, TensorMeta], limit: int) -> list[list[str]]:
+    """Keys in order, cut into files of at most ``limit`` tensor bytes (an oversized tensor alone)."""
     groups: list[list[str]] = [[]]
     used = 0
     for key, meta in metas.items():
@@ -147,22 +147,71 @@ def plan_export(
             used = 0
         groups[-1].append(key)
         used += nbytes
+    return groups
 
-    n = len(groups)
-    files, tensors = [], {}
-    for i, keys in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        entries, offset = [], 0
-        for key in keys:
-            nbytes = _nbytes(metas[key])
-            entries.append((key, metas[key], offset, offset + nbytes))
-            offset += nbytes
-        header = _header(entries)
-        for key, meta, start, end in entries:
-            tensors[key] = PlannedTensor(key, meta.shape, meta.dtype, name, len(header) + start, end - start)
-        files.append(PlannedFile(name, header, len(header) + offset, tuple(keys)))
-    return ExportPlan(tuple(files), tensors)
+
+def _lay_out_file(name: str, keys: list[str], metas: Mapping[str, TensorMeta]
+                  ) -> tuple[PlannedFile, dict[str, PlannedTensor]]:
+    """One file: the header, then the tensors back to back in key order."""
+    entries, offset = {}, 0
+    for key in keys:
+        nbytes = _nbytes(metas[key])
+        entries[key] = TensorEntry(dtype_name(metas[key].dtype), metas[key].shape, offset, offset + nbytes)
+        offset += nbytes
+    header = encode_header(entries, _FILE_METADATA)
+    tensors = {key: PlannedTensor(key, metas[key].shape, metas[key].dtype, name, len(header) + e.start, e.nbytes)
+               for key, e in entries.items()}
+    return PlannedFile(name, header, len(header) + offset, tuple(keys)), tensors
 
 
 def _nbytes(meta: TensorMeta) -> int:
     return math.prod(meta.shape) * meta.dtype.itemsize
+
+
+# --------------------------------------------------------------------------------------------------
+# Ownership and coverage: what the export step checks before the first byte is written
+# --------------------------------------------------------------------------------------------------
+
+
+def assign_file_owners(plan: ExportPlan, writer_ranks: Sequence[int]) -> dict[str, int]:
+    """``{file: rank}``: file ``i`` is owned by ``writer_ranks[i % len(writer_ranks)]``.
+
+    The owner creates the file at full size and writes its header; in local-filesystem mode it also
+    receives every other rank's bytes for it.
+    """
+    if not writer_ranks:
+        raise ExportInputError("no rank to own the checkpoint files", key="writer_ranks",
+                               expected="at least one rank", actual=list(writer_ranks))
+    return {f.name: writer_ranks[i % len(writer_ranks)] for i, f in enumerate(plan.files)}
+
+
+def element_counts(plan: ExportPlan, pieces: Iterable[HFShard]) -> torch.Tensor:
+    """Elements this rank's primary ``pieces`` hold, per planned key (int64, in ``plan.tensors``
+    order); summed over ranks it must equal every tensor's size (:func:`check_coverage`)."""
+    position = {key: i for i, key in enumerate(plan.tensors)}
+    counts = torch.zeros(len(position), dtype=torch.int64)
+    for piece in pieces:
+        if not piece.primary:
+            continue
+        if piece.key not in position:
+            raise ExportInputError("a piece has no place in the export plan", key=piece.key,
+                                   expected=f"one of the plan's {len(position)} keys", actual="not planned",
+                                   hint="pieces and plan must come from the same adapter and state dict")
+        counts[position[piece.key]] += piece.tensor.numel()
+    return counts
+
+
+def check_coverage(plan: ExportPlan, summed_counts: torch.Tensor) -> None:
+    """Refuse unless every planned tensor gets exactly its number of elements from the ranks'
+    primaries (``summed_counts``: :func:`element_counts` summed over ranks). Names the first bad key."""
+    keys = list(plan.tensors)
+    expected = torch.tensor([plan.tensors[k].numel for k in keys], dtype=torch.int64)
+    wrong = (summed_counts != expected).nonzero().flatten().tolist()
+    if wrong:
+        first = wrong[0]
+        raise ExportInputError(
+            f"{len(wrong)} tensors would not be written exactly once", key=keys[first],
+            expected=f"{int(expected[first])} elements with one writer each",
+            actual=f"{int(summed_counts[first])} written by primaries across ranks",
+            hint="replicated tensors must have a single primary; check the mesh and placements",
+        )

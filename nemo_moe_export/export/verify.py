@@ -29,15 +29,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import safe_open
+
+from nemo_moe_export.adapters import SafetensorsSource, get_adapter
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.safetensors_format import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    SUFFIX,
+    SafetensorsHeader,
+    TensorEntry,
+    read_header,
+    read_weight_map,
+)
 
 __all__ = ["VerifyReport", "compare_with_shards", "verify_checkpoint"]
 
-_DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
 _PER_EXPERT = re.compile(r"^(?P<layer>.*)\.experts\.(?P<expert>\d+)\.(?P<proj>.+)$")
 _FUSED = re.compile(r"^(?P<layer>.*)\.experts\.(gate_up_proj|down_proj|gate_and_up_projs|down_projs)$")
 _NUM_EXPERTS_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass
@@ -62,38 +72,44 @@ class VerifyReport:
 
 
 def _read_header(path: str, report: VerifyReport) -> dict | None:
+    """The file's tensor entries by key (malformed ones included, as stored), after checking that
+    they tile the data region; None, with the problem reported, when the header is unreadable."""
     name = os.path.basename(path)
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            report.problems.append(f"{name}: file is {size} bytes, too short for a safetensors header")
-            return None
-        n = int.from_bytes(prefix, "little")
-        if n > size - 8:
-            report.problems.append(f"{name}: header length {n} exceeds the file ({size} bytes): truncated?")
-            return None
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            report.problems.append(f"{name}: header is not valid JSON ({exc})")
-            return None
-    header.pop("__metadata__", None)
+    try:
+        header = read_header(path)
+    except ExportInputError as exc:
+        report.problems.append(f"{name}: {exc.problem} (expected {exc.expected}, found {exc.actual})")
+        return None
     spans = []
-    for key, info in header.items():
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _DTYPE_SIZES or not isinstance(shape, list) or not isinstance(offsets, list) or len(offsets) != 2:
-            report.problems.append(f"{name}: key '{key}' has a malformed entry {info}")
-            continue
-        numel = 1
-        for s in shape:
-            numel *= s
-        if offsets[1] - offsets[0] != numel * _DTYPE_SIZES[dtype]:
-            report.problems.append(
-                f"{name}: key '{key}' spans {offsets[1] - offsets[0]} bytes, expected {numel * _DTYPE_SIZES[dtype]} "
-                f"for {dtype} {shape}")
-        spans.append((offsets[0], offsets[1], key))
-    spans.sort()
+    for key in header.keys():
+        entry = _checked_entry(name, key, header, report)
+        if entry is not None:
+            spans.append((entry.start, entry.end, key))
+    _check_tiling(name, sorted(spans), os.path.getsize(path) - header.data_start, report)
+    report.tensor_bytes += sum(e - s for s, e, _ in spans)
+    return header.raw
+
+
+def _checked_entry(name: str, key: str, header: SafetensorsHeader, report: VerifyReport) -> TensorEntry | None:
+    """The parsed entry of ``key``, or None with the problem reported; a span that disagrees with
+    dtype x shape is reported but the entry still counts for the tiling."""
+    try:
+        entry = header.entry(key)
+    except ExportInputError:
+        report.problems.append(f"{name}: key '{key}' has a malformed entry {header.raw[key]}")
+        return None
+    expected = entry.expected_nbytes
+    if expected is None:
+        report.problems.append(f"{name}: key '{key}' ({entry.dtype} {list(entry.shape)}) does not end on a "
+                               f"byte boundary")
+    elif entry.nbytes != expected:
+        report.problems.append(f"{name}: key '{key}' spans {entry.nbytes} bytes, expected {expected} "
+                               f"for {entry.dtype} {list(entry.shape)}")
+    return entry
+
+
+def _check_tiling(name: str, spans: list[tuple[int, int, str]], data: int, report: VerifyReport) -> None:
+    """Sorted ``(start, end, key)`` spans must cover the ``data`` bytes exactly: no overlap, no gap."""
     cursor = 0
     for start, end, key in spans:
         if start < cursor:
@@ -102,12 +118,9 @@ def _read_header(path: str, report: VerifyReport) -> dict | None:
         elif start > cursor:
             report.problems.append(f"{name}: gap of {start - cursor} bytes before key '{key}' at {start}")
         cursor = max(cursor, end)
-    data = size - 8 - n
     if cursor != data:
         report.problems.append(f"{name}: tensors end at data byte {cursor} but the file holds {data} data bytes "
                                f"({'truncated' if cursor > data else 'trailing bytes'})")
-    report.tensor_bytes += sum(e - s for s, e, _ in spans)
-    return header
 
 
 def _expert_checks(keys: list[str], config: Mapping | None, report: VerifyReport) -> None:
@@ -140,11 +153,7 @@ def _expert_checks(keys: list[str], config: Mapping | None, report: VerifyReport
 
 
 def _compare(path: str, where: dict[str, str], reference, report: VerifyReport) -> None:
-    from safetensors import safe_open
-
     if isinstance(reference, (str, os.PathLike)):
-        from nemo_moe_export.adapters.engine import SafetensorsSource
-
         source = SafetensorsSource(reference)
         ref_keys, get = source.keys(), source.read_whole
     else:
@@ -183,52 +192,68 @@ def verify_checkpoint(path: str | os.PathLike[str], reference=None) -> VerifyRep
     if not os.path.isdir(path):
         report.problems.append("not a directory")
         return report
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    files = sorted(f for f in os.listdir(path) if f.endswith(SUFFIX))
     report.files = len(files)
     if not files:
-        report.problems.append("no .safetensors files")
+        report.problems.append(f"no {SUFFIX} files")
         return report
-    index_path = os.path.join(path, INDEX_NAME)
-    index = None
-    if os.path.exists(index_path):
-        try:
-            with open(index_path) as f:
-                index = json.load(f)["weight_map"]
-        except (ValueError, KeyError) as exc:
-            report.problems.append(f"{INDEX_NAME}: unreadable ({exc})")
-    elif len(files) > 1 or files[0] != "model.safetensors":
-        report.problems.append(f"{INDEX_NAME} is missing: transformers cannot map keys to {files}")
+    index = _read_index(path, files, report)
+    where = _stored_keys(path, files, report)
+    if index is not None:
+        _check_index(index, where, files, report)
+    _expert_checks(sorted(where), _read_config(path, report), report)
+    if reference is not None and report.ok:
+        _compare(path, where, reference, report)
+    return report
 
+
+def _read_index(path: str, files: list[str], report: VerifyReport) -> dict[str, str] | None:
+    """The index's weight map; None (a problem unless the checkpoint is one ``model.safetensors``)
+    when there is none or it cannot be read."""
+    if os.path.exists(os.path.join(path, INDEX_FILE)):
+        try:
+            return read_weight_map(path)
+        except ExportInputError as exc:
+            report.problems.append(f"{INDEX_FILE}: unreadable ({exc.actual})")
+    elif len(files) > 1 or files[0] != SINGLE_FILE:
+        report.problems.append(f"{INDEX_FILE} is missing: transformers cannot map keys to {files}")
+    return None
+
+
+def _stored_keys(path: str, files: list[str], report: VerifyReport) -> dict[str, str]:
+    """``{key: file}`` from every file's header (each header checked on the way); a key stored in
+    two files is a problem."""
     where: dict[str, str] = {}
     for name in files:
-        header = _read_header(os.path.join(path, name), report)
-        for key in header or {}:
+        for key in _read_header(os.path.join(path, name), report) or {}:
             if key in where:
                 report.problems.append(f"key '{key}' is stored twice: in {where[key]} and {name}")
             else:
                 where[key] = name
     report.tensors = len(where)
-    if index is not None:
-        for key, file in sorted(index.items()):
-            if key not in where:
-                report.problems.append(f"{INDEX_NAME}: key '{key}' -> {file}, but no file holds it")
-            elif where[key] != file:
-                report.problems.append(f"{INDEX_NAME}: key '{key}' -> {file}, but it is stored in {where[key]}")
-        for key in sorted(set(where) - set(index)):
-            report.problems.append(f"key '{key}' in {where[key]} is missing from {INDEX_NAME}")
-        for file in sorted(set(index.values()) - set(files)):
-            report.problems.append(f"{INDEX_NAME} names {file}, which does not exist")
-    config = None
+    return where
+
+
+def _check_index(index: dict[str, str], where: dict[str, str], files: list[str], report: VerifyReport) -> None:
+    """The index names exactly the stored keys, each in the file that holds it, and existing files."""
+    for key, file in sorted(index.items()):
+        if key not in where:
+            report.problems.append(f"{INDEX_FILE}: key '{key}' -> {file}, but no file holds it")
+        elif where[key] != file:
+            report.problems.append(f"{INDEX_FILE}: key '{key}' -> {file}, but it is stored in {where[key]}")
+    for key in sorted(set(where) - set(index)):
+        report.problems.append(f"key '{key}' in {where[key]} is missing from {INDEX_FILE}")
+    for file in sorted(set(index.values()) - set(files)):
+        report.problems.append(f"{INDEX_FILE} names {file}, which does not exist")
+
+
+def _read_config(path: str, report: VerifyReport) -> dict | None:
     config_path = os.path.join(path, "config.json")
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
-    else:
+    if not os.path.exists(config_path):
         report.problems.append("config.json is missing")
-    _expert_checks(sorted(where), config, report)
-    if reference is not None and report.ok:
-        _compare(path, where, reference, report)
-    return report
+        return None
+    with open(config_path) as f:
+        return json.load(f)
 
 
 def compare_with_shards(path: str | os.PathLike[str], model: Any = None, *,
@@ -240,9 +265,6 @@ def compare_with_shards(path: str | os.PathLike[str], model: Any = None, *,
     checkpoint stores in another dtype (an export with ``dtype=``) is compared after casting the
     shard to it. No communication; ``report.compared`` counts the pieces checked on this rank.
     """
-    from nemo_moe_export.adapters import get_adapter
-    from nemo_moe_export.adapters.engine import SafetensorsSource
-
     report = VerifyReport(os.fspath(path))
     state_dict = model.state_dict() if state_dict is None else state_dict
     adapter = adapter or get_adapter(model.config)

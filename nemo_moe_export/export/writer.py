@@ -20,15 +20,16 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from itertools import product
 
 import torch
 
-from nemo_moe_export.adapters.engine import HFShard
+from nemo_moe_export.adapters import HFShard
+from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, PlannedTensor
 
-__all__ = ["WriteStats", "byte_runs", "write_headers", "write_pieces"]
+__all__ = ["OpenFiles", "WriteStats", "byte_runs", "pwrite_all", "write_headers", "write_pieces"]
 
 
 @dataclass
@@ -45,6 +46,10 @@ class WriteStats:
     seconds: float = 0.0
     writer_threads: int = 1
     files_touched: set[str] = field(default_factory=set)
+
+    def as_io(self) -> dict[str, float]:
+        """The numbers ``ExportResult.io`` reports (everything but the file names)."""
+        return {k: v for k, v in asdict(self).items() if k != "files_touched"}
 
 
 def byte_runs(piece: HFShard, planned: PlannedTensor) -> Iterator[tuple[int, torch.Tensor]]:
@@ -78,7 +83,7 @@ def _byte_view(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _pwrite_all(fd: int, data, offset: int) -> int:
+def pwrite_all(fd: int, data, offset: int) -> int:
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
@@ -102,7 +107,7 @@ def _write_and_release(fd: int, data, offset: int, fadvise: bool) -> int:
     view = memoryview(data).cast("B")
     for start in range(0, len(view), _WRITE_SLICE):
         part = view[start:start + _WRITE_SLICE]
-        _pwrite_all(fd, part, offset + start)
+        pwrite_all(fd, part, offset + start)
         if fadvise:
             os.posix_fadvise(fd, offset + start, len(part), os.POSIX_FADV_DONTNEED)
     return len(view)
@@ -212,6 +217,32 @@ class _Pipeline:
             self._pool.shutdown(wait=True)
 
 
+class OpenFiles:
+    """The planned files this rank writes into, opened once each on first use; ``close`` fsyncs
+    (when asked) and closes them all."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._fds: dict[str, int] = {}
+
+    def fd(self, name: str) -> int:
+        if name not in self._fds:
+            self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY)
+        return self._fds[name]
+
+    @property
+    def names(self) -> set[str]:
+        return set(self._fds)
+
+    def fsync(self) -> None:
+        for fd in self._fds.values():
+            os.fsync(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+
+
 def write_headers(plan: ExportPlan, directory: str, file_names: Iterable[str]) -> None:
     """Create the named files at their full planned size and write their headers."""
     by_name = {f.name: f for f in plan.files}
@@ -220,7 +251,7 @@ def write_headers(plan: ExportPlan, directory: str, file_names: Iterable[str]) -
         fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.ftruncate(fd, planned.size)
-            _pwrite_all(fd, planned.header, 0)
+            pwrite_all(fd, planned.header, 0)
         finally:
             os.close(fd)
 
@@ -230,41 +261,46 @@ def write_pieces(
     pieces: Iterable[HFShard],
     directory: str,
     *,
-    staging_bytes: int = 64 << 20,
-    writer_threads: int = 1,
+    staging_bytes: int = ExportOptions.staging_bytes,
+    writer_threads: int = ExportOptions.writer_threads,
     fadvise: bool = True,
 ) -> WriteStats:
-    """Write every primary piece to its planned place; fsync every file written. Returns stats."""
+    """Write every primary piece to its planned place; fsync every file written. Returns stats.
+
+    The buffer and thread defaults are ``ExportOptions``' own (docs/design.md#options-and-defaults).
+    """
     started = time.perf_counter()
     stats = WriteStats(writer_threads=writer_threads)
-    fds: dict[str, int] = {}
+    files = OpenFiles(directory)
     pieces = [p for p in pieces if p.primary and p.tensor.numel()]
     pinned = torch.cuda.is_available() and any(p.tensor.is_cuda for p in pieces)
     pipeline = _Pipeline(staging_bytes, writer_threads, pinned, fadvise)
     try:
         for piece in pieces:
-            planned = plan.tensors[piece.key]
-            if planned.file not in fds:
-                fds[planned.file] = os.open(os.path.join(directory, planned.file), os.O_WRONLY)
-            for offset, source in byte_runs(piece, planned):
-                nbytes = source.numel() * planned.element_size
-                job = _Job(fds[planned.file], offset, source, nbytes,
-                           direct=not source.is_cuda and source.dtype == planned.dtype and source.is_contiguous())
-                stats.runs += 1
-                stats.bytes_written += nbytes
-                if job.direct:
-                    pipeline.write_direct(job)
-                else:
-                    stats.staged_bytes += nbytes
-                    pipeline.write_staged(job, planned.dtype)
+            _write_piece(pipeline, files, piece, plan.tensors[piece.key], stats)
         pipeline.drain()
-        for fd in fds.values():
-            os.fsync(fd)
+        files.fsync()
     finally:
         pipeline.close()
-        for fd in fds.values():
-            os.close(fd)
-    stats.files_touched = set(fds)
+        files.close()
+    stats.files_touched = files.names
     stats.copy_seconds, stats.write_seconds = round(pipeline.copy_seconds, 4), round(pipeline.write_seconds, 4)
     stats.seconds = round(time.perf_counter() - started, 4)
     return stats
+
+
+def _write_piece(pipeline: _Pipeline, files: OpenFiles, piece: HFShard, planned: PlannedTensor,
+                 stats: WriteStats) -> None:
+    """Hand each byte run of ``piece`` to the pipeline: straight from the tensor's memory when it is
+    a contiguous CPU tensor already in the stored dtype, through a staging buffer otherwise."""
+    for offset, source in byte_runs(piece, planned):
+        nbytes = source.numel() * planned.element_size
+        job = _Job(files.fd(planned.file), offset, source, nbytes,
+                   direct=not source.is_cuda and source.dtype == planned.dtype and source.is_contiguous())
+        stats.runs += 1
+        stats.bytes_written += nbytes
+        if job.direct:
+            pipeline.write_direct(job)
+        else:
+            stats.staged_bytes += nbytes
+            pipeline.write_staged(job, planned.dtype)

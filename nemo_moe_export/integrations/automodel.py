@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from nemo_moe_export.adapters import StateDictAdapter, get_table
-from nemo_moe_export.integrations._common import make_context, plugin_hooks
+from nemo_moe_export.hooks import make_context, plugin_hooks
 
 __all__ = ["AutoModelStateDictAdapter", "MoEExportRecipeMixin"]
 
@@ -37,7 +37,8 @@ class MoEExportRecipeMixin:
     """Adds ``moe_export_setup`` / ``moe_export_step_end`` / ``moe_export_train_end`` to a recipe.
 
     Settings come from the class attribute ``moe_export = {"mmlu": {...}, "export": {...}}``
-    (keyword arguments of ``MMLUCallback`` and ``ExportStep``).
+    (keyword arguments of ``MMLUCallback`` and ``ExportStep``, as :func:`~nemo_moe_export.hooks.plugin_hooks`
+    takes them); what the hooks record is ``self.moe_export_results``.
     """
 
     moe_export: dict[str, Any] = {}
@@ -54,6 +55,11 @@ class MoEExportRecipeMixin:
 
     def moe_export_train_end(self) -> None:
         self._moe_hooks.on_train_end(self._moe_ctx)
+
+    @property
+    def moe_export_results(self) -> dict[str, Any]:
+        """``ctx.results``: ``"mmlu_during_training"``, ``"mmlu"``, ``"export"`` as the hooks ran."""
+        return self._moe_ctx.results
 
 
 class AutoModelStateDictAdapter(StateDictAdapter):

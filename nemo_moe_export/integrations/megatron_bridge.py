@@ -1,8 +1,8 @@
 """Megatron-Bridge: a ``megatron.bridge.training.callbacks.Callback`` running the plugin's hooks.
 
     from megatron.bridge.training.pretrain import pretrain
+    from nemo_moe_export.integrations import plugin_hooks
     from nemo_moe_export.integrations.megatron_bridge import megatron_bridge_callback
-    from nemo_moe_export.integrations._common import plugin_hooks
 
     hooks = plugin_hooks(export=dict(output_dir="/ckpt/hf", dtype="bfloat16"))
     pretrain(config, forward_step, callbacks=[megatron_bridge_callback(hooks, tokenizer=tok)])
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_moe_export.integrations._common import make_context, missing
+from nemo_moe_export.hooks import make_context
+from nemo_moe_export.integrations._install_hint import missing
 
 __all__ = ["megatron_bridge_callback"]
 

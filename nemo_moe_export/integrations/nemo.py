@@ -1,7 +1,7 @@
 """NeMo 2 / Lightning: a callback that runs the plugin's hooks inside ``Trainer.fit``.
 
+    from nemo_moe_export.integrations import plugin_hooks
     from nemo_moe_export.integrations.nemo import MoEExportCallback
-    from nemo_moe_export.integrations._common import plugin_hooks
 
     callback = MoEExportCallback(
         plugin_hooks(mmlu=dict(data_path="data/mmlu", every_n_steps=500, output_dir="runs/x/mmlu"),
@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nemo_moe_export.integrations._common import make_context, missing
+from nemo_moe_export.hooks import make_context
+from nemo_moe_export.integrations._install_hint import missing
 
 try:
     from nemo.lightning.base_callback import BaseCallback as _Base

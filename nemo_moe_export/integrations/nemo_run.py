@@ -11,6 +11,8 @@ Locally it runs the recipe main job through ``run.Script`` with a torchrun ``Loc
 
 On a cluster, swap the executor for a ``run.SlurmExecutor`` (see :func:`slurm_executor`). The config
 is composed and validated here first (Hydra's own errors), so a typo fails before anything is queued.
+``--config-dir DIR`` and ``NEMO_MOE_EXPORT_CONFIG_PATH`` add config folders as for the main job
+(``recipe/compose.py``); on a cluster they must be paths the nodes can read.
 Needs ``pip install nemo-run``.
 """
 
@@ -19,9 +21,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from nemo_moe_export.integrations._common import missing
+from nemo_moe_export.integrations._install_hint import missing
+from nemo_moe_export.recipe.compose import CONFIG_PATH_ENV, load_config, split_recipe_args, user_config_dirs
 
 __all__ = ["OVERRIDES_ENV", "launch_main", "local_executor", "recipe_task", "slurm_executor"]
 
@@ -36,16 +40,20 @@ def _run() -> Any:
     return run
 
 
-def recipe_task(recipe: str, overrides: list[str]) -> Any:
+def recipe_task(recipe: str, overrides: list[str], config_dirs: list[Path] | tuple[Path, ...] = ()) -> Any:
     """The recipe main job as a ``run.Script`` (``python -m nemo_moe_export recipe=...``).
 
     Overrides travel as JSON in ``NEMO_MOE_EXPORT_OVERRIDES``: NeMo-Run quotes script arguments for
     a shell, and an override like ``stages=[train,export]`` would reach Hydra with literal quotes.
+    The user's config folders (absolute, in precedence order) travel in ``NEMO_MOE_EXPORT_CONFIG_PATH``
+    for the same reason.
     """
     import json
 
-    return _run().Script(path="nemo_moe_export", m=True, entrypoint="python", args=[f"recipe={recipe}"],
-                         env={OVERRIDES_ENV: json.dumps(list(overrides))})
+    env = {OVERRIDES_ENV: json.dumps(list(overrides))}
+    if config_dirs:
+        env[CONFIG_PATH_ENV] = os.pathsep.join(str(d) for d in config_dirs)
+    return _run().Script(path="nemo_moe_export", m=True, entrypoint="python", args=[f"recipe={recipe}"], env=env)
 
 
 def local_executor(nproc: int, job_dir: str = "") -> Any:
@@ -62,8 +70,6 @@ def slurm_executor(*, account: str, partition: str, nodes: int, gpus_per_node: i
 
 
 def launch_main(argv: list[str]) -> int:
-    from nemo_moe_export.cli import load_config, split_recipe_args
-
     parser = argparse.ArgumentParser(prog="nemo-moe-export launch", description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="nemo-moe-export")
     parser.add_argument("--job-dir", default="")
@@ -71,8 +77,9 @@ def launch_main(argv: list[str]) -> int:
     parser.add_argument("--slurm-partition")
     parser.add_argument("--nodes", type=int, default=1)
     known, rest = parser.parse_known_args(argv)
-    recipe, overrides, nproc = split_recipe_args(rest)
-    load_config(recipe, overrides)  # validate now: Hydra's errors before anything is launched
+    recipe, overrides, nproc, config_dirs = split_recipe_args(rest)
+    user_dirs = user_config_dirs(config_dirs)
+    load_config(recipe, overrides, config_dirs)  # validate now: Hydra's errors before anything is launched
     run = _run()
     # torchx's local scheduler looks torchrun up on PATH: make it the one beside this interpreter,
     # also when the virtual environment was not activated.
@@ -83,6 +90,6 @@ def launch_main(argv: list[str]) -> int:
     else:
         executor = local_executor(nproc or 1, known.job_dir)
     with run.Experiment(known.name, base_dir=known.job_dir or None) as exp:
-        exp.add(recipe_task(recipe, overrides), executor=executor, name=recipe)
+        exp.add(recipe_task(recipe, overrides, user_dirs), executor=executor, name=recipe)
         exp.run(sequential=True, detach=False, tail_logs=True)
     return 0

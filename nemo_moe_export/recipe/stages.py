@@ -2,19 +2,27 @@
 
 Data flow, from a recipe YAML to the bytes on disk:
 
+0. ``checks`` : before any process group or model exists: the stages, every stage's options
+               (``MMLUOptions`` / ``ExportOptions`` built from the ``mmlu`` / ``export`` groups,
+               so a bad value is refused here) and the export target (an existing one is refused
+               with ``export.overwrite=error``, rather than after training).
 1. ``setup``  : process group (under torchrun), ``run_dir``, the synthetic MMLU corpus (rank 0 writes
                it unless ``mmlu.data_path`` is given), the word-level tokenizer, the model built
                from ``model`` and sharded as ``parallel`` says (or restored from
-               ``export.from_checkpoint``), and the hooks: adapter, MMLU callback, export step.
-2. ``train``  : ``recipe/trainer.py``; the MMLU hook runs every ``mmlu.every_n_steps``; a sharded
-               torch DCP training checkpoint is saved to ``{run_dir}/checkpoint``.
-3. ``mmlu``   : the MMLU callback at the end of training (``evaluate/``).
-4. ``export`` : ``export_hf_checkpoint`` writes ``{run_dir}/hf`` (``export/``), no gather.
+               ``export.from_checkpoint``), and the hooks' ``on_setup``: the adapter hook builds
+               the state-dict adapter into the context, where the export finds it.
+2. ``train``  : ``recipe/trainer.py`` calls ``hooks.on_step_end(ctx, step)``: the MMLU callback
+               evaluates every ``mmlu.every_n_steps``; a sharded torch DCP training checkpoint is
+               saved to ``{run_dir}/checkpoint``.
+3. ``mmlu``   : the MMLU callback's ``on_train_end(ctx)`` (``evaluate/``; skipped with
+               ``mmlu.at_train_end=false``).
+4. ``export`` : the export step's ``on_train_end(ctx)`` writes ``{run_dir}/hf`` (``export/``), no gather.
 5. ``verify`` : ``verify_checkpoint`` from the bytes, then a fresh process reloads the checkpoint
                with ``transformers`` and re-evaluates MMLU; its accuracy must equal the trained
                model's.
 
-Everything a run produces stays in ``run_dir``: config, logs, results JSON, checkpoints.
+Everything a run produces stays in ``run_dir``: config, logs, results JSON, checkpoints. The
+hooks are the one protocol of ``nemo_moe_export.hooks`` (docs/design.md#hooks).
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from nemo_moe_export.config import STAGES
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.parallel import dist_info
 
-__all__ = ["check_stages", "run_recipe"]
+__all__ = ["check_export_target", "check_stages", "export_target", "run_recipe"]
 
 
 def check_stages(cfg: Any) -> list[str]:
@@ -56,6 +64,47 @@ def check_stages(cfg: Any) -> list[str]:
             hint="run with stages=[export] export.from_checkpoint=runs/<name>/checkpoint",
         )
     return stages
+
+
+def export_target(cfg: Any, run_dir: str) -> str:
+    """Where the export writes (and verify reads): ``export.output_dir``, else ``{run_dir}/hf``."""
+    return os.path.abspath(cfg.export.output_dir or os.path.join(run_dir, "hf"))
+
+
+def check_export_target(target: str, overwrite: str) -> None:
+    """Refuse an existing export target up front when ``overwrite`` is ``"error"``: re-running a
+    recipe into the same ``run_dir`` fails in a second, not after training (the export step
+    itself would refuse it only then)."""
+    if overwrite == "error" and os.path.exists(target):
+        raise ExportInputError(
+            "export target already exists", key="export.output_dir",
+            expected=f"no directory at {target} (export.overwrite=error)", actual="an existing path",
+            hint="pass export.overwrite=replace to replace it atomically after training, "
+                 "or choose another run_dir or export.output_dir",
+        )
+
+
+def _stage_hooks(cfg: Any, run_dir: str, stages: list[str]) -> tuple[Any, Any]:
+    """The MMLU callback (None when ``mmlu.enabled`` is false) and the export step (None without
+    the export stage), built from their options: every option is validated here, before work."""
+    from nemo_moe_export.evaluate.callback import MMLUCallback
+    from nemo_moe_export.evaluate.options import MMLUOptions
+    from nemo_moe_export.export import ExportStep
+    from nemo_moe_export.export.options import ExportOptions
+
+    mmlu_options, export_options = MMLUOptions.of(cfg.mmlu), ExportOptions.of(cfg.export)
+    mmlu = (MMLUCallback(_data_root(cfg, run_dir), mmlu_options, output_dir=os.path.join(run_dir, "mmlu"))
+            if cfg.mmlu.enabled else None)
+    export = None
+    if "export" in stages:
+        target = export_target(cfg, run_dir)
+        check_export_target(target, export_options.overwrite)
+        export = ExportStep(target, export_options)
+    return mmlu, export
+
+
+def _data_root(cfg: Any, run_dir: str) -> str:
+    return cfg.mmlu.data_path or os.path.join(run_dir, "data")
 
 
 def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
@@ -86,7 +135,7 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
     """Run ``cfg.stages`` on every rank; returns (on every rank) the results summary.
 
     ``after(ctx)`` runs on every rank once the stages are done, with the live
-    :class:`~nemo_moe_export.recipe.hooks.RecipeContext` (the GPU benchmark measures the trained
+    :class:`~nemo_moe_export.hooks.RecipeContext` (the GPU benchmark measures the trained
     model there); what it puts in ``ctx.results`` is saved with the rest.
     """
     from nemo_moe_export.config import validate_config
@@ -94,11 +143,12 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
 
     validate_config(cfg)
     stages = check_stages(cfg)
+    run_dir = os.path.abspath(cfg.run_dir)
+    mmlu_callback, export_step = _stage_hooks(cfg, run_dir, stages)
     device = resolve_device(cfg.parallel.device)
     init_distributed(device, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     info = dist_info()
-    run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     log = _setup_logging(run_dir, info.rank)
     if info.rank == 0:
@@ -106,36 +156,16 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
             json.dump(_to_plain(cfg), f, indent=2)
     log.info(f"recipe {cfg.name}: stages {stages}, {info.world_size} rank(s) on {device}, run dir {run_dir}")
 
-    ctx, hooks, mmlu_callback = _setup(cfg, run_dir, info, log, device)
+    ctx, hooks = _setup(cfg, run_dir, info, log, device, mmlu_callback)
     results: dict[str, Any] = ctx.results
-    checkpoint = os.path.join(run_dir, "checkpoint")
-
     if "train" in stages:
-        from nemo_moe_export.recipe.trainer import train
-
-        class _StepHooks:  # the trainer's per-step callback, routed through the hook list
-            def on_step_end(self, step: int, model: Any) -> None:
-                hooks.on_step_end(ctx, step)
-
-        state = train(ctx.model, ctx.layout, ctx.tokenizer, ctx.data_root, cfg.trainer, k_shot=cfg.mmlu.k_shot,
-                      hooks=_StepHooks(), log=log.info)
-        results["train"] = {"steps": state.step, "first_loss": state.losses[0], "last_loss": state.losses[-1],
-                            "seconds": round(state.seconds, 2)}
-        if cfg.trainer.save_checkpoint:
-            _save_checkpoint(ctx, checkpoint)
-        log.info(f"trained {state.step} steps in {state.seconds:.1f} s: loss {state.losses[0]:.3f} -> "
-                 f"{state.losses[-1]:.3f}" + (f"; checkpoint {checkpoint}" if cfg.trainer.save_checkpoint else ""))
+        _train_stage(cfg, ctx, hooks, log)
     if "mmlu" in stages and mmlu_callback is not None:
-        mmlu_callback.evaluate(ctx.model, ctx.tokenizer, ctx.layout, step=results.get("train", {}).get("steps"))
-        results["mmlu"] = mmlu_callback.last_result.metrics
-        results["mmlu_predictions"] = mmlu_callback.last_result.predictions
-    if "export" in stages:
-        export_result = _export_step(cfg, run_dir)(ctx.model, tokenizer=ctx.tokenizer)
-        results["export"] = {"path": export_result.path, "files": export_result.files,
-                             "bytes": export_result.checkpoint_bytes, "seconds": export_result.seconds,
-                             "step_seconds": export_result.step_seconds, "io": export_result.io}
-        log.info(f"exported {export_result.checkpoint_bytes / 1e6:.1f} MB in {export_result.files} files "
-                 f"to {export_result.path} in {export_result.seconds:.2f} s")
+        mmlu_callback.on_train_end(ctx)
+        if mmlu_callback.last_result is not None:
+            results["mmlu_predictions"] = mmlu_callback.last_result.predictions
+    if export_step is not None:
+        _export_stage(ctx, export_step, log)
     if "verify" in stages:
         results["verify"] = _verify(cfg, run_dir, ctx, results, info, log)
     if after is not None:
@@ -149,12 +179,36 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
     return results
 
 
-def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str) -> tuple[Any, Any, Any]:
+def _train_stage(cfg: Any, ctx: Any, hooks: Any, log: Any) -> None:
+    from nemo_moe_export.recipe.trainer import train
+
+    state = train(ctx.model, ctx.layout, ctx.tokenizer, ctx.data_root, cfg.trainer, k_shot=cfg.mmlu.k_shot,
+                  hooks=hooks, ctx=ctx, log=log.info)
+    ctx.results["train"] = {"steps": state.step, "first_loss": state.losses[0], "last_loss": state.losses[-1],
+                            "seconds": round(state.seconds, 2)}
+    checkpoint = os.path.join(ctx.run_dir, "checkpoint")
+    if cfg.trainer.save_checkpoint:
+        _save_checkpoint(ctx, checkpoint)
+    log.info(f"trained {state.step} steps in {state.seconds:.1f} s: loss {state.losses[0]:.3f} -> "
+             f"{state.losses[-1]:.3f}" + (f"; checkpoint {checkpoint}" if cfg.trainer.save_checkpoint else ""))
+
+
+def _export_stage(ctx: Any, export_step: Any, log: Any) -> None:
+    """The export step's hook writes with ``ctx.adapter``; its result becomes the JSON summary."""
+    export_step.on_train_end(ctx)
+    result = ctx.results["export"]
+    ctx.results["export"] = {"path": result.path, "files": result.files, "bytes": result.checkpoint_bytes,
+                             "seconds": result.seconds, "step_seconds": result.step_seconds, "io": result.io}
+    log.info(f"exported {result.checkpoint_bytes / 1e6:.1f} MB in {result.files} files "
+             f"to {result.path} in {result.seconds:.2f} s")
+
+
+def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callback: Any) -> tuple[Any, Any]:
+    from nemo_moe_export.hooks import AdapterHook, HookList, RecipeContext
     from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
-    from nemo_moe_export.recipe.hooks import AdapterHook, HookList, MMLUHook, RecipeContext
     from nemo_moe_export.recipe.trainer import build_model, shard_model
 
-    data_root = cfg.mmlu.data_path or os.path.join(run_dir, "data")
+    data_root = _data_root(cfg, run_dir)
     if cfg.mmlu.data_path is None and info.rank == 0:
         write_synthetic_mmlu(data_root, seed=cfg.data.seed, n_train=cfg.data.n_train, n_dev=cfg.data.n_dev,
                              n_test=cfg.data.n_test, subjects=cfg.data.subjects)
@@ -176,21 +230,9 @@ def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str) -> tuple[An
         dcp.load(state, checkpoint_id=from_checkpoint)
         log.info(f"restored the model from {from_checkpoint}")
     ctx = RecipeContext(model=model, layout=layout, tokenizer=tokenizer, run_dir=run_dir, data_root=data_root)
-    hooks = [AdapterHook()]
-    mmlu_callback = None
-    if cfg.mmlu.enabled:
-        from nemo_moe_export.evaluate.callback import MMLUCallback
-
-        mmlu_callback = MMLUCallback(
-            data_root, every_n_steps=cfg.mmlu.every_n_steps, at_train_end=False,
-            subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None, k_shot=cfg.mmlu.k_shot,
-            batch_size=cfg.mmlu.batch_size, policy=cfg.mmlu.policy, output_dir=os.path.join(run_dir, "mmlu"),
-            max_questions=cfg.mmlu.max_questions, timeout_s=cfg.mmlu.timeout_s,
-        )
-        hooks.append(MMLUHook(mmlu_callback))
-    hook_list = HookList(hooks)
-    hook_list.on_setup(ctx)
-    return ctx, hook_list, mmlu_callback
+    hooks = HookList([AdapterHook(), *([mmlu_callback] if mmlu_callback is not None else [])])
+    hooks.on_setup(ctx)
+    return ctx, hooks
 
 
 def _save_checkpoint(ctx: Any, path: str) -> None:
@@ -204,21 +246,11 @@ def _save_checkpoint(ctx: Any, path: str) -> None:
         dist.barrier()
 
 
-def _export_step(cfg: Any, run_dir: str) -> Any:
-    from nemo_moe_export.export import ExportStep
-
-    return ExportStep(
-        output_dir=cfg.export.output_dir or os.path.join(run_dir, "hf"), dtype=cfg.export.dtype,
-        max_shard_size=cfg.export.max_shard_size, overwrite=cfg.export.overwrite, timeout_s=cfg.export.timeout_s,
-        filesystem=cfg.export.filesystem, writer_threads=cfg.export.writer_threads,
-    )
-
-
 def _verify(cfg: Any, run_dir: str, ctx: Any, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
     """Bytes-level verify, then a fresh single process reloads with transformers and re-evaluates."""
     from nemo_moe_export.export import verify_checkpoint
 
-    path = cfg.export.output_dir or os.path.join(run_dir, "hf")
+    path = export_target(cfg, run_dir)
     outcome: dict[str, Any] = {"path": path}
     if info.rank == 0:
         report = verify_checkpoint(path)

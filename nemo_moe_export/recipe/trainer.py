@@ -26,7 +26,9 @@ from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.config import ModelConfig, ParallelConfig, TrainerConfig
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import ParallelLayout, dist_info
+from nemo_moe_export.progress import Progress
 
 __all__ = ["TrainState", "build_model", "shard_model", "train"]
 
@@ -177,9 +179,17 @@ def _training_examples(data_root: str, tokenizer: Any, k_shot: int) -> list[list
 
 
 def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cfg: TrainerConfig, *,
-          k_shot: int = 1, hooks: Any = None, log: Any = print) -> TrainState:
+          k_shot: int, hooks: Hook | None = None, ctx: RecipeContext | None = None,
+          log: Any = print) -> TrainState:
     """Train with AdamW, loss on the answer letter only, gradients clipped to ``cfg.grad_clip`` by
-    their global norm; calls ``hooks.on_step_end`` every step."""
+    their global norm; calls ``hooks.on_step_end(ctx, step)`` after every optimizer step.
+
+    ``k_shot`` formats the training prompts as the MMLU evaluation will (the recipe passes
+    ``mmlu.k_shot``; no default here, so the two cannot drift apart).
+    """
+    if hooks is not None and ctx is None:
+        raise ExportInputError("hooks need the context they share", key="ctx",
+                               expected="a RecipeContext (nemo_moe_export.hooks.make_context)", actual=None)
     info = dist_info()
     examples = _training_examples(data_root, tokenizer, k_shot)
     if not examples:
@@ -191,7 +201,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
     state = TrainState()
-    progress = _Progress(cfg.max_steps, enabled=cfg.progress and info.rank == 0)
+    progress = Progress(cfg.max_steps, "train", enabled=cfg.progress, min_interval_s=2.0)  # on global rank 0
     start = time.perf_counter()
     model.train()
     for step in range(1, cfg.max_steps + 1):
@@ -218,36 +228,13 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
             dist.all_reduce(value)
             value /= info.world_size
         state.step, state.losses = step, state.losses + [float(value)]
-        progress.update(step, float(value))
+        progress.update(1, postfix=f"loss={float(value):.3f}")
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             log(f"step {step}/{cfg.max_steps} loss {float(value):.4f} grad norm {state.grad_norms[-1]:.3f} "
                 f"lr {schedule.get_last_lr()[0]:.2e}")
         if hooks is not None:
-            hooks.on_step_end(step, model)
+            hooks.on_step_end(ctx, step)
     progress.close()
     state.seconds = time.perf_counter() - start
     model.eval()
     return state
-
-
-class _Progress:
-    """A tqdm bar on rank 0 when tqdm is importable; nothing elsewhere."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total, desc="train", leave=False, dynamic_ncols=True, mininterval=2.0)
-            except ImportError:
-                self.bar = None
-
-    def update(self, step: int, loss: float) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -1,0 +1,424 @@
+"""The README's code is real: every block is checked against the package, and run where it can be.
+
+* ```python blocks import only public modules and names (no ``_private`` module, every imported name
+  in its module's ``__all__``), every ``nemo_moe_export...`` attribute they use exists, and each block
+  runs, on one real gloo rank, with what a training script has at hand:
+
+  - ``model``: a tiny DeepSeek-V3 MoE (64 experts) sharded with ``fully_shard``, so its parameters
+    are DTensors; ``dtensor_param``: one of its expert weights;
+  - ``tokenizer`` (also ``tok``): the word-level tokenizer of the synthetic corpus;
+  - ``max_steps``: a short training loop's length;
+  - in the working directory: ``data/mmlu`` (a synthetic MMLU-format corpus) and
+    ``path/to/hf_checkpoint`` (the model saved by ``save_pretrained``).
+
+  Each block gets a fresh working directory, so two blocks may write the same ``out/`` paths.
+* ```bash blocks: every ``nemo-moe-export`` subcommand and ``--flag`` exists (read from the CLI's own
+  ``--help``), and every recipe command composes with its overrides (Hydra parses and type-checks
+  them; nothing is run); ``make`` targets and ``python path.py`` scripts exist.
+* ```yaml blocks whose first line names a file (``# my_conf/my_moe.yaml``) are written there, so the
+  commands that use them compose against them; a recipe among them composes.
+* Inline ``config.key=value`` spans name declared config keys, ``module.attr`` spans exist, and
+  package paths exist.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import typing
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import yaml
+
+import nemo_moe_export
+from nemo_moe_export.spawn import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PACKAGE_DIR = Path(nemo_moe_export.__file__).parent
+CLI = [sys.executable, "-m", "nemo_moe_export"]
+
+
+class Block(NamedTuple):
+    lang: str
+    line: int  # 1-based line of the opening fence
+    text: str
+
+
+def readme_blocks(lang: str) -> list[Block]:
+    blocks, lines = [], README.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        match = re.match(r"^```(\w+)\s*$", lines[i])
+        if match:
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            if match.group(1) == lang:
+                blocks.append(Block(lang, i + 1, "\n".join(lines[i + 1:end]) + "\n"))
+            i = end
+        i += 1
+    return blocks
+
+
+PYTHON = readme_blocks("python")
+BASH = readme_blocks("bash")
+YAML = readme_blocks("yaml")
+
+
+def _ids(blocks: list[Block]) -> list[str]:
+    return [f"README.md:{b.line}" for b in blocks]
+
+
+def test_the_readme_has_code_to_check():
+    assert len(PYTHON) >= 4 and len(BASH) >= 3 and YAML
+
+
+# --- python: public imports and attributes -------------------------------------------------------
+
+
+def _is_public_module(name: str) -> bool:
+    return not any(part.startswith("_") for part in name.split("."))
+
+
+def _resolve(dotted: str) -> Any:
+    """``nemo_moe_export.a.b.c``: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def import_problems(source: str) -> list[str]:
+    """What a block imports or uses from nemo_moe_export that is private or does not exist."""
+    problems = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "nemo_moe_export":
+            if not _is_public_module(node.module):
+                problems.append(f"imports from the private module {node.module}")
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    problems.append(f"{node.module} has no {alias.name}")
+                elif alias.name not in getattr(module, "__all__", ()):
+                    problems.append(f"{alias.name} is not in {node.module}.__all__")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "nemo_moe_export":
+                    if not _is_public_module(alias.name):
+                        problems.append(f"imports the private module {alias.name}")
+                    else:
+                        importlib.import_module(alias.name)
+        elif isinstance(node, ast.Attribute) and (_dotted(node) or "").startswith("nemo_moe_export."):
+            try:
+                _resolve(_dotted(node))
+            except (ImportError, AttributeError):
+                problems.append(f"{_dotted(node)} does not exist")
+    return problems
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=_ids(PYTHON))
+def test_python_block_uses_only_public_names_that_exist(block):
+    problems = import_problems(block.text)
+    assert not problems, f"README.md:{block.line}: " + "; ".join(problems)
+
+
+def test_the_import_check_catches_private_and_missing_names():
+    assert import_problems("from nemo_moe_export.integrations._common import plugin_hooks") == [
+        "imports from the private module nemo_moe_export.integrations._common"]
+    assert import_problems("from nemo_moe_export import export_hf_checkpointt") == [
+        "nemo_moe_export has no export_hf_checkpointt"]
+    assert import_problems("import nemo_moe_export\nnemo_moe_export.hooks.plugin_hookz") == [
+        "nemo_moe_export.hooks.plugin_hookz does not exist"]
+    assert import_problems("from nemo_moe_export.export.step import plan_export") == [
+        "plan_export is not in nemo_moe_export.export.step.__all__"]
+
+
+# --- python: the blocks run ----------------------------------------------------------------------
+
+
+def _prepare_assets(root: Path) -> dict[str, Any]:
+    """The namespace a README block runs in (see the module docstring); files under ``root``."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+    from nemo_moe_export.tiny_models import tiny_model
+
+    data = write_synthetic_mmlu(root / "data" / "mmlu", n_train=8, n_dev=5, n_test=3)
+    tokenizer = build_tokenizer(data)
+    model = tiny_model("deepseek_v3", n_experts=64, vocab_size=len(tokenizer))
+    model.save_pretrained(root / "path" / "to" / "hf_checkpoint")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dtensor_param = model.model.layers[1].mlp.experts.gate_up_proj
+    assert isinstance(dtensor_param, torch.distributed.tensor.DTensor)
+    return dict(model=model, tokenizer=tokenizer, tok=tokenizer, max_steps=3, dtensor_param=dtensor_param)
+
+
+def _run_blocks(rank: int, world: int, sources: list[str], root: str) -> list[str | None]:
+    """On one gloo rank: each block in a fresh directory holding the assets; its traceback or None."""
+    import contextlib
+    import io
+    import traceback
+
+    assets_dir = Path(root) / "assets"
+    namespace = _prepare_assets(assets_dir)
+    outcomes: list[str | None] = []
+    for i, source in enumerate(sources):
+        cwd = Path(root) / f"block{i}"
+        (cwd / "data").mkdir(parents=True)
+        (cwd / "data" / "mmlu").symlink_to(assets_dir / "data" / "mmlu")
+        (cwd / "path").symlink_to(assets_dir / "path")
+        os.chdir(cwd)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                exec(compile(source, f"README block {i}", "exec"), dict(namespace))
+            outcomes.append(None)
+        except BaseException:  # reported by the test of that block
+            outcomes.append(traceback.format_exc())
+    return outcomes
+
+
+@pytest.fixture(scope="module")
+def block_outcomes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("readme")
+    return spawn(_run_blocks, 1, [b.text for b in PYTHON], str(root), timeout_s=240)[0]
+
+
+@pytest.mark.parametrize("index", range(len(PYTHON)), ids=_ids(PYTHON))
+def test_python_block_runs(block_outcomes, index):
+    assert block_outcomes[index] is None, f"README.md:{PYTHON[index].line} failed:\n{block_outcomes[index]}"
+
+
+# --- bash: subcommands, flags, overrides ---------------------------------------------------------
+
+
+def _help(*args: str) -> str:
+    proc = subprocess.run([*CLI, *args, "--help"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def cli_help() -> dict[str | None, str]:
+    """The help text of the main job and of each subcommand the main help lists."""
+    main = _help()
+    subcommands = set(re.findall(r"^\s*nemo-moe-export ([a-z][a-z_-]*)\b(?!=)", main, flags=re.M))
+    return {None: main, **{sub: _help(sub) for sub in sorted(subcommands)}}
+
+
+def _flags(help_text: str) -> dict[str, bool]:
+    """``--flag`` -> whether it takes a value, from usage and help lines (``--nproc N``)."""
+    return {m.group(1): bool(m.group(2)) for m in re.finditer(r"(--[a-z][\w-]*)(?:[ =]([A-Z][A-Z_]*|\.\.\.))?",
+                                                               help_text)}
+
+
+class Command(NamedTuple):
+    line: int
+    argv: list[str]
+
+
+def bash_commands() -> list[Command]:
+    commands = []
+    for block in BASH:
+        text = block.text.replace("\\\n", " ")
+        for offset, raw in enumerate(text.splitlines()):
+            argv = shlex.split(raw, comments=True)
+            if argv:
+                commands.append(Command(block.line + 1 + offset, argv))
+    return commands
+
+
+def _package_args(argv: list[str]) -> list[str] | None:
+    """The arguments of ``nemo-moe-export ...``, ``python -m nemo_moe_export ...`` or
+    ``torchrun ... -m nemo_moe_export ...``; None for other commands."""
+    if argv[0] == "nemo-moe-export":
+        return argv[1:]
+    if "-m" in argv and argv[argv.index("-m") + 1] == "nemo_moe_export":
+        return argv[argv.index("-m") + 2:]
+    return None
+
+
+PACKAGE_COMMANDS = [c for c in bash_commands() if _package_args(c.argv) is not None]
+OTHER_COMMANDS = [c for c in bash_commands() if _package_args(c.argv) is None]
+
+
+def test_bash_blocks_name_package_commands():
+    assert len(PACKAGE_COMMANDS) >= 5, PACKAGE_COMMANDS
+
+
+def _scratch_with_yaml_files(root: Path) -> Path:
+    """``root`` holding every README yaml block that names its file on its first line."""
+    for block in YAML:
+        match = re.match(r"#\s*(\S+\.yaml)\s*$", block.text.splitlines()[0])
+        if match:
+            path = root / match.group(1)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(block.text)
+    return root
+
+
+def _split_own_flags(args: list[str], own: dict[str, bool]) -> tuple[list[str], list[str]]:
+    """A subcommand's own ``--flag [value]`` tokens, and the rest (recipe args for the main job)."""
+    mine, rest, args = [], [], list(args)
+    while args:
+        arg = args.pop(0)
+        flag = arg.split("=", 1)[0]
+        if flag in own:
+            mine.append(arg)
+            if own[flag] and "=" not in arg and args:
+                mine.append(args.pop(0))
+        else:
+            rest.append(arg)
+    return mine, rest
+
+
+@pytest.mark.parametrize("command", PACKAGE_COMMANDS, ids=[f"README.md:{c.line}" for c in PACKAGE_COMMANDS])
+def test_bash_command_flags_exist_and_overrides_compose(command, cli_help, tmp_path, monkeypatch):
+    from nemo_moe_export.recipe.compose import load_config, split_recipe_args
+
+    args = _package_args(command.argv)
+    sub = args[0] if args and args[0] in cli_help else None
+    if sub is None and args and not args[0].startswith("-") and "=" not in args[0]:
+        pytest.fail(f"README.md:{command.line}: unknown subcommand {args[0]!r}; known: {sorted(k for k in cli_help if k)}")
+    args = args[1:] if sub else args
+    known = {**_flags(cli_help[None]), **_flags(cli_help[sub])}
+    unknown = [a for a in args if a.startswith("--") and a.split("=", 1)[0] not in known]
+    assert not unknown, f"README.md:{command.line}: unknown flags {unknown}; known: {sorted(known)}"
+    if sub not in (None, "launch"):
+        return  # verify and the like take paths that exist only after a run
+    own = {f: v for f, v in _flags(cli_help[sub]).items() if f not in _flags(cli_help[None])} if sub else {}
+    _, recipe_args = _split_own_flags(args, own)
+    monkeypatch.chdir(_scratch_with_yaml_files(tmp_path))
+    recipe, overrides, _nproc, config_dirs = split_recipe_args(recipe_args)
+    load_config(recipe, overrides, config_dirs)  # Hydra parses, type-checks and composes
+
+
+@pytest.mark.parametrize("command", OTHER_COMMANDS, ids=[f"README.md:{c.line}" for c in OTHER_COMMANDS])
+def test_other_bash_commands_name_what_exists(command):
+    argv = command.argv
+    if argv[0] == "make":
+        targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
+        assert set(argv[1:]) <= targets, f"README.md:{command.line}: make {argv[1:]}; targets {sorted(targets)}"
+    elif argv[0] == "python" and argv[1].endswith(".py"):
+        assert (ROOT / argv[1]).is_file(), f"README.md:{command.line}: {argv[1]} not found"
+    else:
+        pytest.fail(f"README.md:{command.line}: a command this test does not know how to check: {argv[0]}")
+
+
+def test_yaml_recipes_compose(tmp_path, monkeypatch):
+    from nemo_moe_export.recipe.compose import load_config
+
+    root = _scratch_with_yaml_files(tmp_path)
+    recipes = [p for p in root.rglob("*.yaml") if "base" in (yaml.safe_load(p.read_text()).get("defaults") or [])]
+    assert recipes, "the README's recipe example names its file on its first line (# my_conf/my_moe.yaml)"
+    monkeypatch.chdir(root)
+    for path in recipes:
+        cfg = load_config(path.stem, [], [str(path.parent)])
+        assert cfg.name == yaml.safe_load(path.read_text())["name"]
+
+
+# --- inline spans ---------------------------------------------------------------------------------
+
+
+def _config_groups() -> dict[str, type]:
+    from nemo_moe_export.config import RecipeConfig
+
+    hints = typing.get_type_hints(RecipeConfig)
+    return {name: hint for name, hint in hints.items() if dataclasses.is_dataclass(hint)}
+
+
+FILE_SUFFIXES = (".json", ".py", ".yaml", ".md", ".safetensors", ".png", ".toml", ".csv", ".partial")
+PACKAGE_PARTS = {p.stem for p in PACKAGE_DIR.iterdir() if not p.name.startswith("_")}
+PATH_ROOTS = ("nemo_moe_export", "benchmarks", "tests", "docs")
+
+
+def inline_span_problems(markdown: str) -> list[str]:
+    groups = _config_groups()
+    problems = []
+    prose = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        for token in span.split():
+            token = re.sub(r"\(.*$", "", token)
+            key = token.split("=", 1)[0]
+            head = key.split(".")[0]
+            if "/" in key:
+                if key.split("/")[0] in PATH_ROOTS or key.split("/")[0] in PACKAGE_PARTS:
+                    clean = key.rstrip("/")
+                    if not any(next(base.glob(clean), None) for base in (ROOT, PACKAGE_DIR)):
+                        problems.append(f"path {key} does not exist")
+                continue
+            if not re.fullmatch(r"[A-Za-z_]\w*(\.\w+)+", key) or key.endswith(FILE_SUFFIXES):
+                continue
+            if head in groups and key.count(".") == 1 and key.split(".")[1] in {
+                    f.name for f in dataclasses.fields(groups[head])}:
+                continue  # a config key, e.g. export.overwrite=replace
+            if head in PACKAGE_PARTS or head == "nemo_moe_export":
+                try:
+                    _resolve(key if head == "nemo_moe_export" else f"nemo_moe_export.{key}")
+                except (ImportError, AttributeError):
+                    problems.append(f"{key} is neither a config key nor a nemo_moe_export attribute")
+    return problems
+
+
+def test_inline_spans_name_config_keys_attributes_and_paths_that_exist():
+    problems = inline_span_problems(README.read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_the_span_check_catches_stale_names():
+    assert inline_span_problems("set `export.overwrit=replace` or `mmlu.batch_size=16`") == [
+        "export.overwrit is neither a config key nor a nemo_moe_export attribute"]
+    assert inline_span_problems("see `integrations.nemo.MoEExportCallbak(hooks)` and `recipe/hooks.py`") == [
+        "integrations.nemo.MoEExportCallbak is neither a config key nor a nemo_moe_export attribute",
+        "path recipe/hooks.py does not exist"]
+
+
+# --- the public API the README teaches ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", ["nemo_moe_export", "nemo_moe_export.hooks", "nemo_moe_export.integrations"])
+def test_public_all_lists_names_that_exist(module):
+    mod = importlib.import_module(module)
+    missing = [name for name in mod.__all__ if not hasattr(mod, name)]
+    assert not missing and len(set(mod.__all__)) == len(mod.__all__), missing
+
+
+def test_the_main_entry_points_are_importable_from_the_package_and_loaded_lazily():
+    names = ["export_hf_checkpoint", "ExportOptions", "ExportStep", "MMLUOptions", "MMLUCallback", "evaluate_mmlu",
+             "plugin_hooks", "make_context", "RecipeContext", "Hook"]
+    assert set(names) <= set(nemo_moe_export.__all__)
+    code = ("import sys, nemo_moe_export as n; heavy = [m for m in ('nemo_moe_export.evaluate', "
+            "'nemo_moe_export.export', 'transformers') if m in sys.modules]; "
+            f"assert not heavy, heavy; [getattr(n, x) for x in {names!r}]")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
