@@ -136,7 +136,9 @@ def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predicti
         reloaded = evaluate_mmlu(loaded, ctx.tokenizer, [q for q in questions if q.split == "test"],
                                  [q for q in questions if q.split == "dev"],
                                  layout=ParallelLayout(dp=alone, ep=alone, edp=alone, source="world"),
-                                 k_shot=cfg.mmlu.k_shot, batch_size=cfg.mmlu.batch_size, progress=False)
+                                 k_shot=cfg.mmlu.k_shot, batch_size=cfg.mmlu.batch_size,
+                                 tokens_per_batch=cfg.mmlu.tokens_per_batch, shared_prefix=cfg.mmlu.shared_prefix,
+                                 progress=False)
         same = sum(a == b for a, b in zip(reloaded.predictions, trained_predictions))
         out.update(
             load_seconds=round(load_seconds, 2),
@@ -178,6 +180,7 @@ def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: lis
     predictions = {}
     for policy in policies:
         evaluate_mmlu(ctx.model, ctx.tokenizer, warm, layout=ctx.layout, batch_size=cfg.mmlu.batch_size,
+                      tokens_per_batch=cfg.mmlu.tokens_per_batch, shared_prefix=cfg.mmlu.shared_prefix,
                       policy=policy, coordinator=coordinator, progress=False)
         runs = []
         for _ in range(repeat):
@@ -186,7 +189,8 @@ def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: lis
             dist.barrier()
             started = time.perf_counter()
             result = evaluate_mmlu(ctx.model, ctx.tokenizer, prepared, layout=ctx.layout,
-                                   batch_size=cfg.mmlu.batch_size, policy=policy, coordinator=coordinator,
+                                   batch_size=cfg.mmlu.batch_size, tokens_per_batch=cfg.mmlu.tokens_per_batch,
+                                   shared_prefix=cfg.mmlu.shared_prefix, policy=policy, coordinator=coordinator,
                                    progress=False)
             if cuda:
                 torch.cuda.synchronize()

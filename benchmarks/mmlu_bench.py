@@ -1,153 +1,382 @@
-"""MMLU evaluation throughput: single process vs ``expert_dp`` vs ``lockstep`` on N CPU ranks with EP.
+"""MMLU throughput on an MMLU-shaped workload: the model's plain forward vs the evaluator's modes.
 
-What it shows: with expert parallelism over all ranks (EP = world, so there is no expert-DP
-replica), ``expert_dp`` makes every rank run every batch (each EP peer recomputes the same dense
-layers and sends duplicate tokens to the experts), while ``lockstep`` gives each rank its own
-batches and only pads the last step with a dummy forward. Expected: lockstep about EP times the
-expert_dp throughput, minus all-to-all and agreement overhead; padding waste stays low because
-batches are length-sorted.
+The workload has MMLU's shape: 57 subjects (lm-eval's names), 5-shot prompts from 5 dev
+questions per subject, question lengths drawn so that the prompts have MMLU's length distribution
+(mean ~587 tokens, p99 ~810, ~84% of all tokens in each subject's k-shot prefix; the JSON reports
+what was drawn). A word-level tokenizer makes token counts exact. One run measures, on the same
+prepared rows, one after the other:
 
-Everything is synthetic and offline: MMLU-format CSVs with mixed question lengths, a byte-level BPE
-tokenizer trained on them, a random DeepSeek-V3 from ``tiny_models`` large enough that compute
-dominates (hidden 256, 8 experts). Prints one JSON object. Run by hand:
+* ``plain_forward_b{8,16,32,64}``: the model's own batched forward of the sorted, right-padded
+  rows with ``logits_to_keep=1`` (no scoring, no agreements): the speed limit of full prompts;
+* ``evaluator_b{8,16,32,64}``: ``evaluate_mmlu`` with fixed batches of that many rows
+  (``tokens_per_batch=0, shared_prefix=False``), and ``vs_plain`` = its questions/s over the plain
+  forward's at the same batching;
+* ``evaluator_tokens_{N}`` / ``evaluator_tokens_default``: batches sized by a token budget
+  (``tokens_per_batch=N``; ``default`` = derived from the device's memory);
+* ``shared_prefix`` (and ``shared_prefix_tokens_{N}``): each subject's k-shot prefix once, its KV
+  cache reused (the default mode), with the agreement of its predictions with full prompts and the
+  largest loglikelihood difference.
 
-    python benchmarks/mmlu_bench.py --world-size 4 --ep 4 --questions 256
+Each entry has questions/s, prompt tokens/s (the full prompts' tokens), computed tokens/s (what the
+model was fed, without padding) and achieved TFLOP/s = 2 x active parameters x computed tokens / s
+(active: every parameter a token passes through, the routed experts counted top_k / n_experts;
+embeddings and the output head, run at scored positions only, are left out). Every configuration
+runs ``--repeat`` times, each repeat starting at another configuration; medians are reported beside
+every run. Prints one JSON object.
+
+    # CPU ranks (gloo, EP over all ranks; a small DeepSeek-V3):
+    python benchmarks/mmlu_bench.py --world-size 2 --repeat 3
+    # one GPU, the 4.5 B DeepSeek-V3-style model of conf/model/deepseek_v3_9gb.yaml:
+    python benchmarks/mmlu_bench.py --device cuda --model-preset deepseek_v3_9gb --questions-per-subject 24
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-SUBJECTS = ("abstract_algebra", "anatomy", "philosophy", "prehistory", "sociology", "econometrics",
-            "virology", "nutrition")
-WORDS = ("matrix group ring field prime vector tensor proof lemma virus cell tissue organ law court "
-         "treaty market price demand supply mind ethics virtue reason history empire war trade diet "
-         "protein energy model error sample").split()
+FIXED_BATCHES = (8, 16, 32, 64)
+K_SHOT = 5
+# Lengths in tokens, drawn per subject (prefix: description + 5 examples) and per question.
+PREFIX_MEAN, PREFIX_SD, PREFIX_RANGE = 493, 75, (330, 700)
+QUESTION_MEAN, QUESTION_SD, QUESTION_RANGE = 94, 45, (30, 320)
+ANSWER_WORDS = 4  # words per choice
 
 
-def write_data(root: str, n_questions: int, dev_per_subject: int, seed: int) -> None:
-    """hendrycks CSV layout; question lengths 5-150 words so batches must be length-sorted."""
+# --------------------------------------------------------------------------------------------------
+# The workload
+# --------------------------------------------------------------------------------------------------
+
+
+def _subjects() -> list[str]:
+    from nemo_moe_export.evaluate.data import SUBJECT_CATEGORIES
+
+    return sorted(SUBJECT_CATEGORIES)
+
+
+def _text(rng: random.Random, n_words: int) -> str:
+    return " ".join(f"w{rng.randrange(2000)}" for _ in range(max(1, n_words)))
+
+
+def _draw(rng: random.Random, mean: float, sd: float, bounds: tuple[int, int]) -> int:
+    return int(min(max(rng.gauss(mean, sd), bounds[0]), bounds[1]))
+
+
+def _question(rng: random.Random, tokens: int) -> list[str]:
+    """A CSV row whose ``doc_to_text`` is about ``tokens`` word-level tokens (13 are the template's)."""
+    stem = tokens - 13 - 4 * ANSWER_WORDS
+    return [_text(rng, stem) + " ?", *(_text(rng, ANSWER_WORDS) for _ in range(4)), rng.choice("ABCD")]
+
+
+def write_workload(root: str, per_subject: int, seed: int) -> None:
+    """hendrycks CSVs: 5 dev questions per subject sized to the subject's prefix, ``per_subject``
+    test questions sized to MMLU's question lengths."""
+    import csv
+
     rng = random.Random(seed)
-    per_subject = [n_questions // len(SUBJECTS) + (i < n_questions % len(SUBJECTS)) for i in range(len(SUBJECTS))]
-    for split, counts in (("dev", [dev_per_subject] * len(SUBJECTS)), ("test", per_subject)):
+    for split in ("dev", "test"):
         os.makedirs(os.path.join(root, split), exist_ok=True)
-        for subject, n in zip(SUBJECTS, counts):
+    for subject in _subjects():
+        shot = (_draw(rng, PREFIX_MEAN, PREFIX_SD, PREFIX_RANGE) - 18) // K_SHOT - 2  # description; " X\n\n"
+        for split, rows in (("dev", [_question(rng, shot) for _ in range(K_SHOT)]),
+                            ("test", [_question(rng, _draw(rng, QUESTION_MEAN, QUESTION_SD, QUESTION_RANGE))
+                                      for _ in range(per_subject)])):
             with open(os.path.join(root, split, f"{subject}_{split}.csv"), "w", newline="") as f:
-                writer = csv.writer(f)
-                for _ in range(n):
-                    length = int(rng.choice([rng.uniform(5, 30), rng.uniform(30, 150)]))
-                    question = " ".join(rng.choice(WORDS) for _ in range(length)) + "?"
-                    choices = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 6))) for _ in range(4)]
-                    writer.writerow([question, *choices, rng.choice("ABCD")])
+                csv.writer(f).writerows(rows)
 
 
-def build_tokenizer(path: str, vocab_size: int) -> None:
-    """Byte-level BPE trained on the benchmark's words; " A".." D" become single tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(path: str) -> None:
+    """Word-level: every word and punctuation mark one token; " A".." D" single tokens; BOS first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [" ".join(WORDS)] * 20 + [" A B C D", "Answer:",
-                                      "The following are multiple choice questions (with answers) about"] * 50
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus + [s.replace("_", " ") for s in SUBJECTS] * 10, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                            eos_token="<|endoftext|>").save_pretrained(path)
+    words = {f"w{i}" for i in range(2000)} | set("?.:ABCD()") | {"Answer", "The", "following", "are", "multiple",
+                                                               "choice", "questions", "with", "answers", "about"}
+    for subject in _subjects():
+        words |= set(subject.split("_"))
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(words))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(path)
 
 
-def _model(args):
+def workload_stats(prepared: Any) -> dict[str, Any]:
+    from nemo_moe_export.evaluate.prefixes import find_shared_prefixes
+
+    lengths = sorted(len(r.input_ids) for r in prepared.rows)
+    shared = sum(p.length * len(p.rows) for p in find_shared_prefixes(prepared))
+    return {"questions": len(prepared.questions), "subjects": len({q.subject for q in prepared.questions}),
+            "k_shot": prepared.k_shot, "prompt_tokens": sum(lengths),
+            "mean_tokens": sum(lengths) / len(lengths), "p50_tokens": lengths[len(lengths) // 2],
+            "p99_tokens": lengths[min(len(lengths) - 1, int(0.99 * len(lengths)))], "max_tokens": lengths[-1],
+            "prefix_share": shared / sum(lengths)}
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+
+def build_model(args: argparse.Namespace, vocab_size: int, device: Any) -> Any:
+    """``--model-preset`` (a YAML of nemo_moe_export/conf/model), else the CPU model of the flags."""
+    import torch
+
     from nemo_moe_export.tiny_models import tiny_model
 
-    return tiny_model("deepseek_v3", n_experts=args.experts, hidden_size=args.hidden,
-                      moe_intermediate_size=args.moe_inter, num_layers=args.layers,
-                      vocab_size=args.model_vocab, seed=0, initializer_range=0.5)
+    kw: dict[str, Any] = dict(n_experts=args.experts, hidden_size=args.hidden, moe_intermediate_size=args.moe_inter,
+                              num_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                              qk_nope_head_dim=args.head_dim, qk_rope_head_dim=args.head_dim // 2,
+                              v_head_dim=args.head_dim, seed=0)
+    family, dtype = "deepseek_v3", args.dtype
+    if args.model_preset:
+        import yaml
+
+        import nemo_moe_export
+
+        path = os.path.join(os.path.dirname(nemo_moe_export.__file__), "conf", "model", f"{args.model_preset}.yaml")
+        with open(path) as f:
+            preset = {k: v for k, v in yaml.safe_load(f).items() if k != "defaults"}
+        family, dtype = preset.pop("family"), preset.pop("dtype", dtype)
+        kw = {"n_experts": preset.pop("n_experts", 6), "hidden_size": preset.pop("hidden_size", 64),
+              "moe_intermediate_size": preset.pop("moe_intermediate_size", 32),
+              "num_layers": preset.pop("num_layers", 2), "seed": preset.pop("seed", 0)}
+    with torch.device(device):
+        model = tiny_model(family, vocab_size=vocab_size, dtype=getattr(torch, dtype),
+                           initializer_range=args.init_range, **kw)
+    return model.eval()
 
 
-def _worker(rank: int, world: int, args, data_dir: str, tok_dir: str, policies: list[str]) -> dict:
+def active_parameters(model: Any) -> int:
+    """Parameters one token passes through: routed experts counted ``top_k / n_experts``;
+    embeddings and the output head left out."""
+    from nemo_moe_export.expert_parallel import experts_modules
+
+    config = model.config
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "num_experts_per_token", 1)
+    skip = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
+    experts = {id(p): m for m in experts_modules(model).values() for p in m.parameters(recurse=False)}
+    total = 0.0
+    for p in model.parameters():
+        if id(p) in skip:
+            continue
+        n = p.numel() if not hasattr(p, "full_tensor") else p.shape.numel()
+        total += n * (top_k / experts[id(p)].num_experts if id(p) in experts else 1)
+    return int(total)
+
+
+# --------------------------------------------------------------------------------------------------
+# What is timed
+# --------------------------------------------------------------------------------------------------
+
+
+def plain_forward(model: Any, prepared: Any, batch_size: int, layout: Any, pad_id: int) -> dict[str, float]:
+    """The model's own forward of the same rows, length-sorted, right-padded, ``logits_to_keep=1``;
+    batch ``b`` on rank ``b % world``, the last step filled with 1-token forwards (as EP needs)."""
+    import torch
+
+    from nemo_moe_export.evaluate.planning import plan_batches
+
+    device = next(model.parameters()).device
+    batches = plan_batches(prepared.rows, batch_size)
+    world, rank = layout.dp.size, layout.dp.rank
+    steps = -(-len(batches) // world)
+    computed = 0
+    with torch.no_grad():
+        for s in range(steps):
+            b = s * world + rank
+            rows = [prepared.rows[i].input_ids for i in batches[b].rows] if b < len(batches) else [[pad_id]]
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([list(r) + [pad_id] * (width - len(r)) for r in rows], device=device)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+            model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+            computed += sum(len(r) for r in rows) if b < len(batches) else 0
+    return {"computed_tokens": computed * world}  # every rank computes about the same share
+
+
+def _sync(model: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _timed(fn: Any, model: Any) -> tuple[Any, float]:
+    _sync(model)
+    started = time.perf_counter()
+    out = fn()
+    _sync(model)
+    return out, time.perf_counter() - started
+
+
+def _configurations(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | int]]:
+    """(name, evaluate_mmlu overrides) or (name, batch size) for a plain forward."""
+    configs: list[tuple[str, dict[str, Any] | int]] = [(f"plain_forward_b{b}", b) for b in FIXED_BATCHES]
+    configs += [(f"evaluator_b{b}", {"tokens_per_batch": 0, "batch_size": b, "shared_prefix": False})
+                for b in FIXED_BATCHES]
+    configs += [(f"evaluator_tokens_{t}", {"tokens_per_batch": t, "shared_prefix": False}) for t in args.budgets]
+    configs.append(("evaluator_tokens_default", {"shared_prefix": False}))
+    configs.append(("shared_prefix", {}))
+    configs += [(f"shared_prefix_tokens_{t}", {"tokens_per_batch": t}) for t in args.budgets]
+    return configs
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace, data_dir: str, tok_dir: str) -> dict[str, Any]:
+    import torch
     from transformers import PreTrainedTokenizerFast
 
     from nemo_moe_export.evaluate.data import load_mmlu
     from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator
+    from nemo_moe_export.evaluate.planning import default_tokens_per_batch
     from nemo_moe_export.evaluate.prepare import prepare_questions
     from nemo_moe_export.expert_parallel import apply_expert_parallel
     from nemo_moe_export.parallel import discover_layout, init_expert_parallel
 
+    device = torch.device(args.device)
     tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     loaded = load_mmlu(data_dir)
     test, dev = [q for q in loaded if q.split == "test"], [q for q in loaded if q.split == "dev"]
-    layout = init_expert_parallel(args.ep, timeout_s=300) if world > 1 else discover_layout()
-    model = apply_expert_parallel(_model(args), layout)
-    prepared = prepare_questions(tok, test, dev, k_shot=args.k_shot, max_length=args.max_length,
-                                 vocab_size=model.config.vocab_size)
-    coordinator = phase_coordinator(layout, timeout_s=300)
-    warm = prepare_questions(tok, test[: 2 * world * args.batch_size], dev, k_shot=args.k_shot,
-                             max_length=args.max_length)
-    evaluate_mmlu(model, tok, warm, layout=layout, batch_size=args.batch_size, coordinator=coordinator,
-                  progress=False)
-    out = {}
-    for policy in policies:
-        started = time.perf_counter()
-        result = evaluate_mmlu(model, tok, prepared, layout=layout, batch_size=args.batch_size, policy=policy,
-                               coordinator=coordinator, progress=False)
-        out[policy] = {"seconds": time.perf_counter() - started, "questions": len(result.records),
-                       "steps": result.steps, "padding_waste": result.padding["waste"],
-                       "padded_tokens": result.padding["padded_tokens"], "fed_tokens": result.padding["fed_tokens"],
-                       "accuracy": result.metrics["overall"]["acc"], "predictions": result.predictions}
+    layout = init_expert_parallel(world, timeout_s=600) if world > 1 else discover_layout()
+    model = build_model(args, len(tok), device)
+    active = active_parameters(model)
+    model = apply_expert_parallel(model, layout)
+    prepared = prepare_questions(tok, test, dev, k_shot=K_SHOT, max_length=4096, vocab_size=model.config.vocab_size)
+    coordinator = phase_coordinator(layout, timeout_s=600)
+    evaluate = lambda qs, **kw: evaluate_mmlu(model, tok, qs, layout=layout, coordinator=coordinator,  # noqa: E731
+                                              progress=False, **kw)
+    warm = prepare_questions(tok, test[: 8 * world], dev, k_shot=K_SHOT, max_length=4096)
+    for overrides in ({"shared_prefix": False}, {}):
+        evaluate(warm, **overrides)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    predictions: dict[str, Any] = {}
+    configs = _configurations(args)
+    for repeat in range(args.repeat):
+        start = repeat * len(configs) // args.repeat  # each repeat in another order: no config always runs first
+        for name, config in configs[start:] + configs[:start]:
+            if rank == 0:
+                print(f"[mmlu_bench] run {repeat + 1}/{args.repeat}: {name}", file=sys.stderr, flush=True)
+            if isinstance(config, int):
+                out, seconds = _timed(lambda: plain_forward(model, prepared, config, layout, tok.pad_token_id), model)
+                runs.setdefault(name, []).append({"seconds": seconds, **out})
+                continue
+            result, seconds = _timed(lambda: evaluate(prepared, **config), model)
+            predictions[name] = [r["scores"] for r in result.records]
+            runs.setdefault(name, []).append({"seconds": seconds, "computed_tokens": result.padding["real_tokens"],
+                                              "fed_tokens": result.padding["fed_tokens"],
+                                              "steps": result.steps, "batches": result.scoring["batches"],
+                                              "tokens_per_batch": result.scoring["tokens_per_batch"],
+                                              "prefix_batches": result.scoring["prefix_batches"]})
+    return {"runs": runs, "scores": predictions, "active_parameters": active,
+            "default_tokens_per_batch": default_tokens_per_batch(model), "workload": workload_stats(prepared)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------------
+
+
+def _summary(runs: list[dict[str, Any]], workload: dict[str, Any], active: int) -> dict[str, Any]:
+    seconds = statistics.median(r["seconds"] for r in runs)
+    computed = statistics.median(r["computed_tokens"] for r in runs)
+    out = {"questions_per_s": workload["questions"] / seconds, "prompt_tokens_per_s": workload["prompt_tokens"] / seconds,
+           "computed_tokens_per_s": computed / seconds, "tflops_achieved": 2 * active * computed / seconds / 1e12,
+           "seconds_median": seconds, "seconds_all": [round(r["seconds"], 4) for r in runs]}
+    out.update({k: v for k, v in runs[0].items() if k not in ("seconds", "computed_tokens")})
     return out
+
+
+def _agreement(scores: dict[str, Any], a: str, b: str) -> dict[str, Any]:
+    first, second = scores[a], scores[b]
+    pick = [max(range(4), key=lambda i: (s[i], -i)) for s in first]
+    same = sum(p == max(range(4), key=lambda i: (s[i], -i)) for p, s in zip(pick, second))
+    worst = max(abs(x - y) for s, t in zip(first, second) for x, y in zip(s, t))
+    return {"vs": b, "same_predictions": same, "questions": len(first), "agreement": same / len(first),
+            "max_loglikelihood_diff": worst}
+
+
+def report(result: dict[str, Any], args: argparse.Namespace, load: tuple[float, float, float]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    work, active = result["workload"], result["active_parameters"]
+    entries = {name: _summary(runs, work, active) for name, runs in result["runs"].items()}
+    for b in FIXED_BATCHES:
+        entries[f"evaluator_b{b}"]["vs_plain"] = (entries[f"evaluator_b{b}"]["questions_per_s"]
+                                                   / entries[f"plain_forward_b{b}"]["questions_per_s"])
+    best_plain = max(entries[f"plain_forward_b{b}"]["questions_per_s"] for b in FIXED_BATCHES)
+    best_fixed = max(entries[f"evaluator_b{b}"]["questions_per_s"] for b in FIXED_BATCHES)
+    token_runs = [n for n in entries if n.startswith("evaluator_tokens_")]
+    return {
+        "config": vars(args), "cpu_cores": os.cpu_count(), "loadavg_before": load,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "workload": work, "active_parameters": active, "default_tokens_per_batch": result["default_tokens_per_batch"],
+        "runs": entries,
+        "targets": {
+            "evaluator_vs_plain_min": min(entries[f"evaluator_b{b}"]["vs_plain"] for b in FIXED_BATCHES),
+            "tokens_default_vs_best_fixed": entries["evaluator_tokens_default"]["questions_per_s"] / best_fixed,
+            "tokens_best_vs_best_fixed": max(entries[n]["questions_per_s"] for n in token_runs) / best_fixed,
+            "shared_prefix_vs_best_plain": entries["shared_prefix"]["questions_per_s"] / best_plain,
+        },
+        "shared_prefix_agreement": _agreement(result["scores"], "shared_prefix", "evaluator_tokens_default"),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--ep", type=int, default=4)
-    parser.add_argument("--questions", type=int, default=256)
-    parser.add_argument("--k-shot", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--world-size", type=int, default=2, help="CPU ranks (gloo, EP over all of them)")
+    parser.add_argument("--questions-per-subject", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--budgets", type=int, nargs="*", default=[],
+                        help="token budgets measured besides the default one")
+    parser.add_argument("--model-preset", default=None, help="a model preset of nemo_moe_export/conf/model")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--moe-inter", type=int, default=256)
     parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokenizer-vocab", type=int, default=512)
-    parser.add_argument("--model-vocab", type=int, default=512)
-    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--init-range", type=float, default=0.5, help="larger than 0.02: answers depend on the input")
     parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
 
     from nemo_moe_export.spawn import spawn
 
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="mmlu-bench-") as tmp:
         data_dir, tok_dir = os.path.join(tmp, "data"), os.path.join(tmp, "tok")
-        write_data(data_dir, args.questions, dev_per_subject=max(args.k_shot, 1), seed=0)
-        build_tokenizer(tok_dir, args.tokenizer_vocab)
-        single = spawn(_worker, 1, args, data_dir, tok_dir, ["lockstep"], timeout_s=1800,
-                       threads_per_rank=args.threads_per_rank)[0]["lockstep"]
-        multi = spawn(_worker, args.world_size, args, data_dir, tok_dir, ["expert_dp", "lockstep"],
-                      timeout_s=1800, threads_per_rank=args.threads_per_rank)
-    runs = {"single_process": single, "expert_dp": multi[0]["expert_dp"], "lockstep": multi[0]["lockstep"]}
-    same_on_all_ranks = all(m[p]["predictions"] == multi[0][p]["predictions"] for m in multi for p in m)
-    reference = single["predictions"]
-    report = {
-        "config": {k: v for k, v in vars(args).items()},
-        "cpu_cores": os.cpu_count(),
-        "questions": single["questions"],
-        **{name: {"questions_per_s": r["questions"] / r["seconds"], "seconds": r["seconds"], "steps": r["steps"],
-                  "padding_waste": r["padding_waste"], "accuracy": r["accuracy"]} for name, r in runs.items()},
-        "lockstep_vs_expert_dp": runs["expert_dp"]["seconds"] / runs["lockstep"]["seconds"],
-        "predictions_identical": all(r["predictions"] == reference for r in runs.values()) and same_on_all_ranks,
-    }
-    print(json.dumps(report, indent=1))
+        write_workload(data_dir, args.questions_per_subject, args.seed)
+        build_tokenizer(tok_dir)
+        if args.device == "cuda":
+            result = _worker(0, 1, args, data_dir, tok_dir)
+        else:
+            result = spawn(_worker, args.world_size, args, data_dir, tok_dir, timeout_s=7200, pg_timeout_s=600,
+                           threads_per_rank=args.threads_per_rank)[0]
+    out = report(result, args, load)
+    text = json.dumps(out, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":

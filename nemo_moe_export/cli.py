@@ -1,7 +1,7 @@
 """The command line.
 
-    nemo-moe-export [recipe=NAME] [hydra overrides...] [--nproc N] [--config-dir DIR]...   run a recipe
-    nemo-moe-export verify DIR [--reference REF]                     check an HF checkpoint
+    nemo-moe-export [recipe=NAME] [hydra overrides...] [--nproc N] [--config-dir DIR]... [--debug]   run a recipe
+    nemo-moe-export verify DIR [--reference REF] [--tp 1,2,4,8]      check an HF checkpoint (--tp: servable)
     nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
                                                                      the same as a NeMo-Run job
 
@@ -15,12 +15,20 @@ Your own recipes and presets need no change to the package: ``--config-dir DIR``
 ``NEMO_MOE_EXPORT_CONFIG_PATH=DIR1:DIR2`` puts folders ahead of the packaged ones; each holds recipes at
 its top level (``DIR/my_recipe.yaml``, whose ``defaults`` may name the package's ``base`` and presets)
 and group presets in subfolders (``DIR/model/my_model.yaml``). ``--config-dir`` folders come first.
+
+Faults (docs/design.md#faults-and-how-each-is-reported): the whole config is checked before any rank
+starts work (once, in the ``--nproc`` launcher, before torchrun; on every rank under torchrun, where
+only rank 0 prints). A bad command line or config is one message on stderr and exit status 2, with
+no traceback unless ``--debug`` or ``NEMO_MOE_EXPORT_DEBUG=1`` asks for it; an ``ExportInputError``
+raised while the job runs is one message from the rank that raised it and exit status 1. SIGINT,
+SIGTERM or SIGHUP stops the job: the launcher forwards it to torchrun and waits for every rank, each
+rank stops where it is (an export in flight is discarded, its target untouched), and the exit
+status is 128 + the signal's number.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +38,39 @@ from typing import Any
 from nemo_moe_export.recipe.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
                                             split_recipe_args, user_config_dirs)
 
-__all__ = ["load_config", "main"]
+__all__ = ["DEBUG_ENV", "load_config", "main"]
+
+DEBUG_ENV = "NEMO_MOE_EXPORT_DEBUG"  # "1": tracebacks instead of one-line errors (as --debug)
+USAGE_ERROR, JOB_ERROR = 2, 1  # exit statuses: a bad command line or config; an input refused while running
+
+
+def _debug() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _say(message: str) -> None:
+    print(f"nemo-moe-export: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The error's message, with its cause's where that says more (Hydra puts the reason there)."""
+    text = str(exc).strip() or type(exc).__name__
+    cause = str(exc.__cause__ or "").strip()
+    return f"{text}: {cause}" if cause and cause not in text else text
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    """What a bad command line or config raises: ours, Hydra's and OmegaConf's."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from nemo_moe_export.errors import ExportInputError
+
+    return ExportInputError, HydraException, OmegaConfBaseException
 
 
 def _hydra_main(recipe_file: Path, overrides: list[str], user_dirs: list[Path]) -> int:
@@ -38,24 +78,74 @@ def _hydra_main(recipe_file: Path, overrides: list[str], user_dirs: list[Path]) 
 
     from nemo_moe_export.config import register_configs
     from nemo_moe_export.recipe.stages import run_recipe
+    from nemo_moe_export.recipe.torchrun import stop_on_signals
 
     register_configs()
 
     @hydra.main(version_base="1.3", config_path=str(recipe_file.parent), config_name=recipe_file.stem)
     def _main(cfg: Any) -> None:
-        run_recipe(cfg)
+        try:
+            with stop_on_signals():
+                run_recipe(cfg)
+        except BaseException as exc:  # noqa: BLE001 - sorted out by _job_failure, which re-raises the rest
+            raise SystemExit(_job_failure(exc)) from exc
 
     sys.argv = [sys.argv[0], *hydra_overrides(hydra_search_path(recipe_file, user_dirs), overrides)]
     _main()
     return 0
 
 
-def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
-    """Run this same command on ``nproc`` local ranks with torchrun (gloo on CPU)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "nemo_moe_export", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+def _job_failure(exc: BaseException) -> int:
+    """The exit status of a job that raised ``exc``, after one line on stderr; re-raises what is
+    neither a stop nor a refused input (Hydra then prints its traceback), and everything with --debug."""
+    import signal
+
+    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.recipe.torchrun import stopped_by
+
+    signum = stopped_by()
+    if signum is not None:  # whatever the stop raised on the way out (a peer's error, too) is the stop
+        import logging
+
+        if _is_rank0():
+            _say(f"stopped by {signal.Signals(signum).name}")
+        # The stack has unwound (the export discarded its partial directory); exit now rather than
+        # join worker threads still busy with work nobody will read, or wait on a dead peer's sockets.
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(128 + signum)
+    if isinstance(exc, SystemExit) or _debug() or not isinstance(exc, ExportInputError):
+        raise exc
+    _say(f"error: {exc}")
+    return JOB_ERROR
+
+
+def _check_before_start(recipe: str, overrides: list[str], config_dirs: list[str], nproc: int | None) -> None:
+    """Compose and check the whole config once before anything starts: in the ``--nproc`` launcher
+    for ``nproc`` ranks (and the machine for them), else for the ranks torchrun started."""
+    from nemo_moe_export.recipe.stages import check_recipe
+    from nemo_moe_export.recipe.torchrun import check_local_resources
+
+    if any(o.startswith("-") for o in overrides):
+        return  # Hydra's own flags (--cfg job, --help, -m): Hydra handles the command line
+    cfg = load_config(recipe, overrides, config_dirs)
+    if nproc is not None:
+        check_local_resources(nproc, cfg.parallel.device)
+    world = nproc if nproc is not None else (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    check_recipe(cfg, world)
+
+
+def _tp_sizes(text: str) -> list[int]:
+    """``--tp 1,2,4,8``: positive integers, comma-separated."""
+    import argparse
+
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(size < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"expected positive integers such as 1,2,4,8, got {text!r}")
+    return sizes
 
 
 def verify_main(argv: list[str]) -> int:
@@ -67,14 +157,16 @@ def verify_main(argv: list[str]) -> int:
                                      description="Check an HF safetensors checkpoint from its bytes.")
     parser.add_argument("path", help="checkpoint directory")
     parser.add_argument("--reference", help="checkpoint directory to compare every tensor with")
+    parser.add_argument("--tp", type=_tp_sizes, metavar="1,2,4,8",
+                        help="serve check: tensor-parallel sizes at which every FP8 weight must split into whole "
+                             "blocks, and the MTP layer the config declares must be present")
     args = parser.parse_args(argv)
-    report = verify_checkpoint(args.path, reference=args.reference)
+    report = verify_checkpoint(args.path, reference=args.reference, tp=args.tp)
     print(report.summary())
     return 0 if report.ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _run(argv: list[str]) -> int:
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
     if argv and argv[0] == "launch":
@@ -91,12 +183,37 @@ def main(argv: list[str] | None = None) -> int:
         overrides += json.loads(os.environ["NEMO_MOE_EXPORT_OVERRIDES"])
     user_dirs = user_config_dirs(config_dirs)
     recipe_file = find_recipe(recipe, user_dirs)  # an unknown recipe fails once, before any rank starts
-    if nproc and "LOCAL_RANK" not in os.environ:
+    launching = nproc is not None and "LOCAL_RANK" not in os.environ
+    _check_before_start(recipe, overrides, config_dirs, nproc if launching else None)
+    if launching:
+        from nemo_moe_export.recipe.torchrun import run_torchrun
+
         # The --config-dir folders made absolute, so the ranks see the same ones whatever their working
-        # directory; NEMO_MOE_EXPORT_CONFIG_PATH reaches them through the environment.
+        # directory; NEMO_MOE_EXPORT_CONFIG_PATH (and NEMO_MOE_EXPORT_DEBUG) reach them through the environment.
         cli_dirs = [f"--config-dir={Path(d).expanduser().resolve()}" for d in config_dirs]
-        return _relaunch_with_torchrun(nproc, [f"recipe={recipe}", *cli_dirs, *overrides])
+        return run_torchrun(nproc, [f"recipe={recipe}", *cli_dirs, *overrides])
     return _hydra_main(recipe_file, overrides, user_dirs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--debug" in argv:
+        argv = [a for a in argv if a != "--debug"]
+        os.environ[DEBUG_ENV] = "1"  # the ranks --nproc starts inherit it
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        if _debug():
+            raise
+        _say("interrupted")
+        return 130
+    except _usage_errors() as exc:
+        if _debug():
+            raise
+        if _is_rank0():  # every rank checks the same config: one of them says so
+            _say(f"error: {_one_line(exc)}")
+            _say(f"(pass --debug or set {DEBUG_ENV}=1 for the traceback)")
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -30,9 +30,12 @@ STAGES = ("train", "mmlu", "export", "verify")
 
 @dataclass
 class ModelConfig:
-    """A tiny transformers MoE model built offline (``nemo_moe_export.tiny_models``)."""
+    """A tiny MoE model built offline: a transformers model (``nemo_moe_export.tiny_models``) or,
+    with ``backend: megatron_core``, a megatron-core ``GPTModel`` (``nemo_moe_export.megatron.tiny``)."""
 
     family: str = MISSING  # deepseek_v3 | kimi_k2 | kimi_linear | qwen3_moe
+    backend: str = "transformers"  # transformers | megatron_core (deepseek_v3 / kimi_k2 / qwen3_moe)
+    dispatcher: str = "alltoall"  # megatron_core: the MoE token dispatcher, alltoall | allgather
     n_experts: int = 6
     hidden_size: int = 64
     moe_intermediate_size: int = 32

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ExportInputError", "current_rank"]
+__all__ = ["ExportInputError", "Stopped", "current_rank"]
 
 
 def current_rank() -> int | None:
@@ -57,3 +57,20 @@ class ExportInputError(ValueError):
         if hint:
             message += f". {hint}"
         super().__init__(message)
+
+
+class Stopped(KeyboardInterrupt):
+    """The job was asked to stop by a signal (SIGINT, SIGTERM or SIGHUP).
+
+    The recipe job raises it in its main thread when the signal arrives, so every ``finally`` runs
+    and an export in flight removes its partial directory instead of publishing
+    (docs/design.md#faults-and-how-each-is-reported). A ``KeyboardInterrupt``, so ``except
+    Exception`` does not swallow it.
+    """
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.name}")

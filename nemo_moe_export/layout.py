@@ -17,7 +17,9 @@ so cannot disagree with it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
@@ -31,6 +33,7 @@ __all__ = [
     "get_sharded_expert_range",
     "local_box",
     "local_expert_range",
+    "replica_coordinate",
 ]
 
 
@@ -82,29 +85,35 @@ class LocalBox:
     """This rank's part of one tensor, as a box in the global tensor.
 
     ``local`` is the rank's own tensor (never a copy); it spans ``offsets[d] : offsets[d] +
-    local.shape[d]`` of every dim ``d`` of a tensor of ``global_shape``. ``primary`` is True on
-    exactly one of the ranks that hold the same box (replicas under HSDP, or plain tensors held by
-    every rank), so a writer that writes only primaries writes every byte once.
+    local.shape[d]`` of every dim ``d`` of a tensor of ``global_shape``. The ranks holding the same
+    box (replicas under HSDP or expert-DP, or plain tensors held by every rank) number
+    ``replicas``; this rank is holder ``replica`` of them (``0 <= replica < replicas``, the same
+    numbering on every holder). ``primary`` is True on holder 0 only, so a writer that writes only
+    primaries writes every byte once (docs/design.md#layout-rules).
     """
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     local: torch.Tensor
     primary: bool
+    replica: int = 0
+    replicas: int = 1
 
     @property
     def is_empty(self) -> bool:
         return self.local.numel() == 0
 
 
-def local_box(tensor: torch.Tensor, *, key: str = "?", plain_is_primary: bool = True) -> LocalBox:
+def local_box(tensor: torch.Tensor, *, key: str = "?", plain_replica: tuple[int, int] = (0, 1)) -> LocalBox:
     """Read the box a rank holds straight from a DTensor's mesh and placements.
 
-    A plain tensor is taken as the whole tensor; ``plain_is_primary`` says whether this rank is the
-    one that should write it (plain tensors such as FSDP2 buffers sit on every rank).
+    A plain tensor is taken as the whole tensor, held by every rank of some group (FSDP2 buffers,
+    the dense part under EP): ``plain_replica`` is this rank's ``(index, count)`` in that group
+    (default: this rank alone).
     """
     if not isinstance(tensor, DTensor):
-        return LocalBox(tuple(tensor.shape), (0,) * tensor.dim(), tensor, plain_is_primary)
+        replica, replicas = plain_replica
+        return LocalBox(tuple(tensor.shape), (0,) * tensor.dim(), tensor, replica == 0, replica, replicas)
 
     mesh, placements = tensor.device_mesh, tensor.placements
     coordinate = mesh.get_coordinate()
@@ -136,12 +145,20 @@ def local_box(tensor: torch.Tensor, *, key: str = "?", plain_is_primary: bool = 
             hint="the tensor was likely built with a padded or balanced split; rebuild it with "
             "distribute_tensor/fully_shard or DTensor.from_local(..., shape=, stride=)",
         )
-    # Replicas of a box differ only in their coordinate on Replicate mesh dims; the one at
-    # coordinate 0 on all of them writes.
-    primary = all(
-        coordinate[dim] == 0 for dim, p in enumerate(placements) if isinstance(p, Replicate)
-    )
-    return LocalBox(tuple(tensor.shape), tuple(offsets), local, primary)
+    replica, replicas = replica_coordinate(mesh, placements, coordinate)
+    return LocalBox(tuple(tensor.shape), tuple(offsets), local, replica == 0, replica, replicas)
+
+
+def replica_coordinate(mesh: Any, placements: Sequence[Any], coordinate: Sequence[int]) -> tuple[int, int]:
+    """``(index, count)`` of this rank among the holders of its box: replicas of a box differ only
+    in their coordinates on the ``Replicate`` mesh dims, read here as one mixed-radix number (outer
+    dim first), so holder 0 sits at coordinate 0 on all of them."""
+    replica, replicas = 0, 1
+    for dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate):
+            size = mesh.size(dim)
+            replica, replicas = replica * size + coordinate[dim], replicas * size
+    return replica, replicas
 
 
 def local_expert_range(expert_param: torch.Tensor, *, key: str = "?") -> tuple[int, int]:

@@ -1,15 +1,17 @@
 """Process groups and hang-free coordination between ranks.
 
 :class:`Coordinator` is how multi-step collective work (export, evaluation) agrees, step by step,
-that every rank succeeded. Each ``agree(step, error)`` is a barrier under a timeout followed by an
-exchange of statuses, so that:
+that every rank succeeded. Each ``agree(step, error)`` is one all-reduce of a status word under a
+timeout (cost growing like log W), so that:
 
-* a rank that raised makes every rank raise the same error, naming the failing ranks and step;
-* a rank that died or stalls makes every other rank raise within the timeout, naming the ranks
-  that did not arrive and the step, instead of hanging.
+* a rank that raised makes every rank raise the same error, naming the failing ranks, the step and
+  each failing rank's original exception;
+* a rank that died or stalls makes every other rank raise (within the timeout, or within seconds
+  when its connection closed), naming the ranks that sent no report, instead of hanging.
 
 Coordination runs on a gloo group (a side group when the default backend is NCCL), because gloo
-honours timeouts on CPU and reports which ranks did not reach a monitored barrier.
+honours timeouts on CPU; a broken agreement is diagnosed through the rendezvous store, which
+outlives the group (docs/design.md#coordination-protocol).
 
 :class:`ParallelLayout` / :func:`discover_layout` say which ranks share a data-parallel,
 expert-parallel and expert-data-parallel group (from Megatron, a named DeviceMesh or the plain
@@ -19,6 +21,8 @@ world); :func:`init_expert_parallel` creates Megatron's EP layout without Megatr
 from __future__ import annotations
 
 import os
+import re
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -110,8 +114,42 @@ def init_distributed(device: str, timeout_s: float) -> None:
                                 **kwargs)
 
 
+# How an agreement waits (docs/design.md#coordination-protocol). A healthy agreement takes
+# milliseconds, so only a slow one looks at the store, and then rarely: W ranks polling one store.
+_ALARM_CHECK_AFTER_S = 1.0
+_ALARM_CHECK_EVERY_S = 0.5
+_REPORT_GRACE_S = 5.0  # how long survivors wait for each other's reports once an agreement broke
+
+
+class _Incomplete(Exception):
+    """The agreement's all-reduce did not finish: timeout, a broken connection, or a peer's alarm."""
+
+    def __init__(self, reason: str, cause: BaseException | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.cause = reason, cause
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of a transport error: gloo's source location and boilerplate advice removed."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)
+    return text.split(" This is typically caused", 1)[0][:300]
+
+
 class Coordinator:
-    """Step-by-step agreement between the ranks of ``group`` (default: the world), under a timeout."""
+    """Step-by-step agreement between the ranks of ``group`` (default: the world), under a timeout.
+
+    Each :meth:`agree` is one all-reduce of a status word (how many ranks failed the step), whose
+    cost grows like log W; only when some rank failed are the failures' messages gathered, so every
+    rank's error carries every failing rank's original exception. When the all-reduce itself cannot
+    finish (a rank died, stalls, or the group broke) the survivors diagnose through the rendezvous
+    store instead of the broken group and name the ranks that sent no report, on every survivor
+    (docs/design.md#coordination-protocol).
+    """
 
     def __init__(self, group: Any = None, *, timeout_s: float = 600.0, name: str = "export") -> None:
         self.name = name
@@ -120,11 +158,13 @@ class Coordinator:
         self.rank, self.world_size = info.rank, info.world_size
         self.active = info.initialized and info.world_size > 1
         self.group = group
+        self._broken_at: str | None = None
         if self.active and (group is None or dist.get_backend(group) != "gloo"):
             # A side gloo group: CPU collectives that honour our timeout, also beside NCCL. Like any
             # new_group, every rank of the world must construct the Coordinator.
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
+        self._reports = _StoreReports(self) if self.active else None
 
     def global_rank(self, group_rank: int) -> int:
         if not self.active:
@@ -135,25 +175,57 @@ class Coordinator:
         """Every rank calls this after ``step``; raises on every rank unless all succeeded in time."""
         if not self.active:
             if error is not None:
-                raise PeerError(f"{self.name} step '{step}' failed: {error}", step=step, ranks=[self.rank]) from error
+                raise PeerError(f"{self.name} step '{step}' failed on rank {self.rank}: {_describe(error)}",
+                                step=step, ranks=[self.rank]) from error
             return
+        if self._broken_at is not None:
+            raise PeerError(f"{self.name} step '{step}': coordination already broke at step '{self._broken_at}'",
+                            step=step, ranks=[])
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
         try:
-            dist.monitored_barrier(group=self.group, timeout=self.timeout, wait_all_ranks=True)
-        except RuntimeError as exc:
-            raise PeerError(
-                f"{self.name} step '{step}': not every rank arrived within {self.timeout.total_seconds():.0f} s "
-                f"(seen from rank {self.rank}): {exc}",
-                step=step, ranks=[],
-            ) from error
-        statuses: list[Any] = [None] * self.world_size
-        mine = None if error is None else f"{type(error).__name__}: {error}"
-        dist.all_gather_object(statuses, mine, group=self.group)
-        failed = [r for r, s in enumerate(statuses) if s is not None]
-        if failed:
-            ranks = [self.global_rank(r) for r in failed]
-            details = "; ".join(f"rank {self.global_rank(r)}: {statuses[r]}" for r in failed)
-            raise PeerError(f"{self.name} step '{step}' failed on ranks {ranks}: {details}",
-                            step=step, ranks=ranks) from error
+            self._all_reduce_in_time(failed)
+        except _Incomplete as incomplete:
+            self._broken_at = step
+            raise self._reports.diagnose(step, error, incomplete) from (error or incomplete.cause)
+        if int(failed) != 0:
+            raise self._failure(step, error)
+
+    def _all_reduce_in_time(self, status: torch.Tensor) -> None:
+        """Sum ``status`` over the group, or raise ``_Incomplete`` at the timeout, on a broken
+        connection, or as soon as a peer reports (through the store) that this agreement broke."""
+        self._reports.next_agreement()
+        work = dist.all_reduce(status, group=self.group, async_op=True)
+        started = time.monotonic()
+        pause, next_alarm_check = 1e-4, started + _ALARM_CHECK_AFTER_S
+        while not work.is_completed():
+            now = time.monotonic()
+            if now - started >= self.timeout.total_seconds():
+                raise _Incomplete(self._late())
+            if now >= next_alarm_check:
+                alarm = self._reports.alarm()
+                if alarm is not None:
+                    raise _Incomplete(alarm)
+                next_alarm_check = now + _ALARM_CHECK_EVERY_S
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        try:
+            work.wait()
+        except RuntimeError as exc:  # gloo's own timeout (the group's is ours), or a closed connection
+            if "Timed out" in str(exc):
+                raise _Incomplete(self._late(), cause=exc) from exc
+            raise _Incomplete(f"the agreement collective broke ({_first_line(exc)})", cause=exc) from exc
+
+    def _late(self) -> str:
+        return f"not every rank arrived within {self.timeout.total_seconds():.0f} s"
+
+    def _failure(self, step: str, error: BaseException | None) -> PeerError:
+        """Every rank arrived and some failed: gather the failures' messages (rare, so the cost of
+        an object all-gather is paid only here) and name them on every rank."""
+        statuses = self.all_gather(None if error is None else _describe(error))
+        failing = {self.global_rank(r): s for r, s in enumerate(statuses) if s is not None}
+        details = "; ".join(f"rank {r}: {s}" for r, s in failing.items())
+        return PeerError(f"{self.name} step '{step}' failed on ranks {list(failing)}: {details}",
+                         step=step, ranks=list(failing))
 
     def all_gather(self, obj: Any) -> list[Any]:
         """``obj`` of every rank of the group, by group rank (``[obj]`` when alone)."""
@@ -184,6 +256,89 @@ class Coordinator:
         if self.active:
             dist.all_reduce(tensor, group=self.group)
         return tensor
+
+
+def _store_hosted_by_rank0(store: Any) -> bool:
+    """Under torchrun the launcher's agent hosts the store; launched otherwise (srun, mpirun with
+    ``env://``) the TCPStore server runs inside rank 0."""
+    while isinstance(store, dist.PrefixStore):  # the default store is wrapped once per group level
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+class _StoreReports:
+    """Diagnosis of a broken agreement through the rendezvous store, which outlives the group.
+
+    Keys live under ``nemo_moe_export/<group name>/<agreement number>/``: ``alarm`` (set by the
+    first rank that found the agreement broken, so peers still waiting give up at once) and one
+    ``report/<rank>`` per survivor ("ok" or its own failure). Nothing is written while all is well.
+    """
+
+    _per_group: dict[str, int] = {}
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.coordinator = coordinator
+        self.store = _get_default_store()
+        # Coordinators may share a group (the evaluator reuses one per DP group): number them per
+        # group, in construction order, which is the same on every rank.
+        name = coordinator.group.group_name
+        _StoreReports._per_group[name] = instance = _StoreReports._per_group.get(name, 0) + 1
+        self.base = f"nemo_moe_export/{name}/{instance}"
+        self.agreement = 0
+        self.me = coordinator.global_rank(coordinator.rank)
+
+    def next_agreement(self) -> None:
+        self.agreement += 1
+
+    def _key(self, *parts: Any) -> str:
+        return "/".join([self.base, str(self.agreement), *map(str, parts)])
+
+    def alarm(self) -> str | None:
+        key = self._key("alarm")
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def diagnose(self, step: str, error: BaseException | None, incomplete: _Incomplete) -> PeerError:
+        coordinator = self.coordinator
+        head = f"{coordinator.name} step '{step}' could not be agreed (seen from rank {self.me})"
+        try:
+            reports = self._exchange_reports(error, incomplete)
+        except Exception as exc:  # the store's host is gone too
+            host = 0 if _store_hosted_by_rank0(self.store) else None
+            return PeerError(f"{head}: {incomplete.reason}; the rendezvous store is unreachable as well "
+                             f"({_first_line(exc)}): its host ({'rank 0' if host == 0 else 'the launcher'}) "
+                             "has likely died", step=step, ranks=[] if host is None else [host])
+        everyone = [coordinator.global_rank(r) for r in range(coordinator.world_size)]
+        missing = [r for r in everyone if r not in reports]
+        failed = {r: text for r, text in reports.items() if text != "ok"}
+        parts = [f"{head}: {incomplete.reason}"]
+        if not missing and not failed:  # every peer had reported: they gave up waiting for this rank
+            alarm = self.alarm() or "no reason given"
+            return PeerError(f"{head}: this rank arrived after its peers had given up ({alarm})",
+                             step=step, ranks=[self.me])
+        if missing:
+            parts.append(f"ranks {missing} sent no report within {_REPORT_GRACE_S:.0f} s of the failure "
+                         "(dead, stalled, or still busy with the step)")
+        if failed:
+            parts.append(f"failed on ranks {sorted(failed)}: " + "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items())))
+        return PeerError("; ".join(parts), step=step, ranks=sorted(set(missing) | set(failed)))
+
+    def _exchange_reports(self, error: BaseException | None, incomplete: _Incomplete) -> dict[int, str]:
+        """Post this rank's report, raise the alarm, wait up to the grace for the others' reports."""
+        store = self.store
+        store.set(self._key("report", self.me), "ok" if error is None else _describe(error))
+        if not store.check([self._key("alarm")]):
+            store.set(self._key("alarm"), f"rank {self.me} found this agreement broken: {incomplete.reason}")
+        count = store.add(self._key("reported"), 1)
+        deadline = time.monotonic() + _REPORT_GRACE_S
+        world = self.coordinator.world_size
+        while count < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+            count = store.add(self._key("reported"), 0)
+        everyone = [self.coordinator.global_rank(r) for r in range(world)]
+        keys = {r: self._key("report", r) for r in everyone}
+        return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
 
 
 # --------------------------------------------------------------------------------------------------

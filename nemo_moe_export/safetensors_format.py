@@ -9,7 +9,10 @@ optional ``__metadata__`` object of string values. A sharded checkpoint adds
 
 This is the lowest layer of the package: it imports only torch, the standard library and
 ``nemo_moe_export.errors``. Everything that encodes, decodes or names safetensors dtypes, headers
-or checkpoint files goes through it; no other dtype table exists.
+or checkpoint files goes through it; no other dtype table exists. :func:`check_file` applies every
+rule the ``safetensors`` library applies when it opens a file, so ``verify`` and ``from_hf`` name a
+malformed file, key and problem where the library would raise its own terse error
+(docs/design.md#faults-and-how-each-is-reported).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -27,19 +31,23 @@ from nemo_moe_export.errors import ExportInputError
 
 __all__ = [
     "DTYPES",
+    "FileCheck",
     "HEADER_ALIGNMENT",
     "INDEX_FILE",
     "LENGTH_PREFIX_BYTES",
+    "MAX_HEADER_BYTES",
     "METADATA_KEY",
     "SINGLE_FILE",
     "SUFFIX",
     "SafetensorsDtype",
     "SafetensorsHeader",
     "TensorEntry",
+    "check_file",
     "data_nbytes",
     "decode_header",
     "dtype_info",
     "dtype_name",
+    "EXPORT_ID_KEY",
     "encode_header",
     "encode_index",
     "read_header",
@@ -51,8 +59,10 @@ INDEX_FILE = "model.safetensors.index.json"  # the index of a sharded checkpoint
 SINGLE_FILE = "model.safetensors"  # an unsharded checkpoint's only file (no index needed)
 SUFFIX = ".safetensors"
 METADATA_KEY = "__metadata__"
+EXPORT_ID_KEY = "nemo_moe_export.export_id"  # which export job wrote a file (header and index metadata)
 LENGTH_PREFIX_BYTES = 8
 HEADER_ALIGNMENT = 8  # the JSON header is padded with spaces to a multiple of this
+MAX_HEADER_BYTES = 100_000_000  # the library refuses a longer header ("header too large")
 
 
 @dataclass(frozen=True)
@@ -157,14 +167,17 @@ class TensorEntry:
 
     @staticmethod
     def from_json(key: str, info: Any) -> "TensorEntry":
-        """Parse one raw header entry; refuses a missing field, an unknown dtype or a bad shape/offsets."""
+        """Parse one raw header entry; refuses a missing field, an unknown dtype or a bad shape/offsets
+        (the library's types: shape and offsets are unsigned integers, never booleans or floats)."""
         ok = isinstance(info, dict) and info.get("dtype") in _BY_NAME
         shape, offsets = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
-        ok = ok and isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)
-        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+        # type() is int, not isinstance: a JSON true is a Python bool, an int subclass the library refuses
+        ok = ok and isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)
+        ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
         if not ok:
             raise ExportInputError("malformed safetensors header entry", key=key,
-                                   expected="dtype (a format dtype name), shape [int, ...], data_offsets [start, end]",
+                                   expected="dtype (a format dtype name), shape [int >= 0, ...], "
+                                            "data_offsets [start, end] (ints >= 0)",
                                    actual=info)
         return TensorEntry(info["dtype"], tuple(shape), offsets[0], offsets[1])
 
@@ -206,25 +219,33 @@ def decode_header(f: BinaryIO, file_size: int, *, name: str) -> SafetensorsHeade
     """Read and decode the header at the start of ``f`` (a file of ``file_size`` bytes named ``name``).
 
     Raises :class:`ExportInputError` naming the file when it is too short, the length runs past the
-    end of the file, or the JSON is not an object.
+    end of the file or the library's limit, the header is not UTF-8 JSON of an object, or
+    ``__metadata__`` is not an object of strings.
     """
     prefix = f.read(LENGTH_PREFIX_BYTES)
     if len(prefix) < LENGTH_PREFIX_BYTES:
         raise ExportInputError("file is too short for a safetensors header", key=name,
                                expected=f">= {LENGTH_PREFIX_BYTES} bytes", actual=f"{file_size} bytes")
     n = int.from_bytes(prefix, "little")
+    if n > MAX_HEADER_BYTES:  # checked before reading: a corrupt length must not allocate gigabytes
+        raise ExportInputError("header is larger than safetensors allows", key=name,
+                               expected=f"<= {MAX_HEADER_BYTES} bytes", actual=f"{n} bytes")
     if n > file_size - LENGTH_PREFIX_BYTES:
         raise ExportInputError("header length exceeds the file: truncated?", key=name,
                                expected=f"<= {file_size - LENGTH_PREFIX_BYTES} bytes", actual=f"{n} bytes")
     try:
-        header = json.loads(f.read(n))
-    except ValueError as exc:
-        raise ExportInputError("header is not valid JSON", key=name, expected="a JSON object",
+        # Strict UTF-8 first: json.loads(bytes) would also accept UTF-16 or a BOM, the library does not.
+        header = json.loads(f.read(n).decode("utf-8"))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError
+        raise ExportInputError("header is not valid JSON", key=name, expected="a UTF-8 JSON object",
                                actual=str(exc)) from exc
     if not isinstance(header, dict):
         raise ExportInputError("header is not a JSON object", key=name, expected="a JSON object",
                                actual=type(header).__name__)
     metadata = header.pop(METADATA_KEY, None)
+    if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
+        raise ExportInputError(f"{METADATA_KEY} is not an object of strings", key=name,
+                               expected='e.g. {"format": "pt"}', actual=metadata)
     return SafetensorsHeader(header, metadata, n)
 
 
@@ -235,22 +256,104 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
         return decode_header(f, os.path.getsize(path), name=os.path.basename(path))
 
 
-def encode_index(weight_map: Mapping[str, str], total_size: int) -> str:
-    """The text of ``model.safetensors.index.json``, as transformers writes it (indented)."""
-    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}, indent=2) + "\n"
+@dataclass(frozen=True)
+class FileCheck:
+    """What :func:`check_file` found: the header (None when unreadable), its well-formed entries by
+    key, and one line per problem, each naming the file (and the key)."""
+
+    header: SafetensorsHeader | None
+    entries: dict[str, TensorEntry]
+    problems: list[str]
+
+
+def check_file(path: str | os.PathLike[str]) -> FileCheck:
+    """Check one ``.safetensors`` file from its header without reading tensor data: it is a
+    readable regular file, the header decodes (:func:`decode_header`), every entry parses, spans
+    ``dtype x shape`` bytes, and the spans tile the data region exactly (no gap, overlap or
+    trailing bytes). These are the library's own rules, so a file passes exactly when
+    ``safe_open`` would open it."""
+    path = os.fspath(path)
+    name = os.path.basename(path)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            return FileCheck(None, {}, [f"{name}: is {kind}, not a safetensors file"])
+        with open(path, "rb") as f:
+            header = decode_header(f, st.st_size, name=name)
+    except ExportInputError as exc:
+        return FileCheck(None, {}, [f"{name}: {exc.problem} (expected {exc.expected}, found {exc.actual})"])
+    except OSError as exc:
+        if os.path.islink(path) and not os.path.exists(path):
+            return FileCheck(None, {}, [f"{name}: is a symbolic link to a missing file ({os.readlink(path)})"])
+        return FileCheck(None, {}, [f"{name}: cannot be read ({exc.strerror or exc})"])
+    entries, problems = {}, []
+    for key in header.keys():
+        entry = _checked_entry(name, key, header, problems)
+        if entry is not None:
+            entries[key] = entry
+    spans = sorted((e.start, e.end, k) for k, e in entries.items())
+    problems += _tiling_problems(name, spans, st.st_size - header.data_start)
+    return FileCheck(header, entries, problems)
+
+
+def _checked_entry(name: str, key: str, header: SafetensorsHeader, problems: list[str]) -> TensorEntry | None:
+    """The parsed entry of ``key``, or None with the problem recorded; a span that disagrees with
+    dtype x shape is recorded but the entry still counts for the tiling."""
+    try:
+        entry = header.entry(key)
+    except ExportInputError:
+        problems.append(f"{name}: key '{key}' has a malformed entry {header.raw[key]}")
+        return None
+    expected = entry.expected_nbytes
+    if expected is None:
+        problems.append(f"{name}: key '{key}' ({entry.dtype} {list(entry.shape)}) does not end on a byte boundary")
+    elif entry.nbytes != expected:
+        problems.append(f"{name}: key '{key}' spans {entry.nbytes} bytes (data_offsets [{entry.start}, "
+                        f"{entry.end}]), expected {expected} for {entry.dtype} {list(entry.shape)}")
+    return entry
+
+
+def _tiling_problems(name: str, spans: list[tuple[int, int, str]], data: int) -> list[str]:
+    """Sorted ``(start, end, key)`` spans must cover the ``data`` bytes exactly: no overlap, no gap."""
+    problems, cursor = [], 0
+    for start, end, key in spans:
+        if start < cursor:
+            problems.append(f"{name}: key '{key}' at bytes [{start}, {end}) overlaps the previous tensor "
+                            f"(which ends at {cursor})")
+        elif start > cursor:
+            problems.append(f"{name}: gap of {start - cursor} bytes before key '{key}' at {start}")
+        cursor = max(cursor, end)
+    if cursor != data:
+        problems.append(f"{name}: tensors end at data byte {cursor} but the file holds {data} data bytes "
+                        f"({'truncated' if cursor > data else 'trailing bytes'})")
+    return problems
+
+
+def encode_index(weight_map: Mapping[str, str], total_size: int, metadata: Mapping[str, str] | None = None) -> str:
+    """The text of ``model.safetensors.index.json``, as transformers writes it (indented); extra
+    ``metadata`` entries sit beside ``total_size`` (transformers reads only the weight map)."""
+    meta = {"total_size": total_size, **(metadata or {})}
+    return json.dumps({"metadata": meta, "weight_map": dict(weight_map)}, indent=2) + "\n"
 
 
 def read_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
-    """``weight_map`` (key -> file name) of the index in ``directory``; refuses an unreadable index."""
+    """``weight_map`` (key -> file name) of the index in ``directory``; refuses an unreadable index,
+    naming the index file and the first bad entry."""
     path = os.path.join(os.fspath(directory), INDEX_FILE)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, OSError) as exc:
         raise ExportInputError("unreadable checkpoint index", key=path,
                                expected='JSON with a "weight_map" object', actual=f"{type(exc).__name__}: {exc}",
                                ) from exc
     if not isinstance(weight_map, dict):
         raise ExportInputError("unreadable checkpoint index", key=path, expected='a "weight_map" object',
                                actual=type(weight_map).__name__)
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise ExportInputError("unreadable checkpoint index", key=path,
+                               expected=f'"weight_map" values that are file names (key {bad!r})',
+                               actual=repr(weight_map[bad]))
     return weight_map

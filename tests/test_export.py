@@ -33,6 +33,9 @@ def model():
         (dict(timeout_s=0), "timeout must be positive"),
         (dict(keep_dtype=["(unclosed"]), "keep_dtype entries must be regular expressions"),
         (dict(colour="red"), "unknown export option"),
+        (dict(replica_mismatch="median"), "unknown replica_mismatch policy"),
+        (dict(replica_mismatch="rank:7"), "replica_mismatch names a rank outside the export group"),
+        (dict(passthrough="yes"), "passthrough must be true or false"),
     ],
 )
 def test_refused_options_write_nothing(model, tmp_path, kwargs, pattern):

@@ -62,7 +62,7 @@ def _placements_worker(rank, world):
         region = full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.local.shape))]
         results[name] = dict(
             experts=local_expert_range(dt), rows=(box.offsets[1], box.offsets[1] + box.local.shape[1]),
-            primary=box.primary, data_matches=torch.equal(region, box.local),
+            primary=box.primary, replica=(box.replica, box.replicas), data_matches=torch.equal(region, box.local),
             is_view=box.local.untyped_storage().data_ptr() == dt.to_local().untyped_storage().data_ptr(),
         )
     # A balanced split (the seed's bug) declared as Shard(0): refused with a clear error.
@@ -93,6 +93,8 @@ def test_local_expert_range_reads_real_placements():
         shard = chunk5_2[rank % 2]  # mesh (2, 2): rank = replica * 2 + shard
         assert res["hsdp"]["experts"] == (shard[0], shard[-1] + 1)
         assert res["hsdp"]["primary"] == (rank // 2 == 0)
+        assert res["hsdp"]["replica"] == (rank // 2, 2)  # holder index = coordinate on the Replicate dim
+        assert res["fsdp"]["replica"] == res["ep"]["replica"] == res["ep_fsdp"]["replica"] == (0, 1)
         assert res["ep"]["experts"] == (2 * rank, 2 * rank + 2)
         ep, inner = divmod(rank, 2)
         assert res["ep_fsdp"]["experts"] == (3 * ep, 3 * ep + 3)

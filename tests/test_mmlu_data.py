@@ -267,3 +267,66 @@ def test_datasets_save_to_disk_layout(tmp_path):
         Question("toy", "Q?", ("0.50", "None", "007", 'a,"b"\nc'), 2, "test", 0),
         Question("anatomy", "Q?", ("0.50", "None", "007", 'a,"b"\nc'), 0, "test", 0),
     ]
+
+
+# --- faults: empty, unreadable and non-UTF-8 files (docs/design.md#faults-and-how-each-is-reported) ----
+
+
+def test_an_empty_test_file_is_an_error_naming_it_not_a_dropped_subject(tmp_path):
+    make_csv_tree(tmp_path)
+    empty = tmp_path / "test" / "anatomy_test.csv"
+    empty.write_text("")
+    with pytest.raises(ExportInputError, match="holds no questions") as e:
+        load_mmlu(tmp_path)
+    assert e.value.key == str(empty)
+    with pytest.warns(UserWarning, match=f"{empty} holds no questions"):  # explicitly allowed: said, not silent
+        questions = load_mmlu(tmp_path, allow_empty_files=True)
+    assert {q.subject for q in questions if q.split == "test"} == {"toy_subject"}
+
+
+def test_an_empty_jsonl_file_is_an_error_naming_it(tmp_path):
+    write_jsonl(tmp_path / "test" / "a.jsonl", [record()])
+    (tmp_path / "test" / "b.jsonl").write_text("\n\n")
+    with pytest.raises(ExportInputError, match=r"b\.jsonl holds no questions"):
+        load_mmlu(tmp_path, splits=["test"])
+
+
+@pytest.mark.parametrize("make,kind", [
+    (lambda p: p.mkdir(), "IsADirectoryError"),
+    (lambda p: p.symlink_to(p.parent / "gone.csv"), "a dangling symbolic link"),
+])
+def test_an_unreadable_file_is_an_error_naming_it(tmp_path, make, kind):
+    make_csv_tree(tmp_path)
+    bad = tmp_path / "test" / "zoology_test.csv"
+    make(bad)
+    with pytest.raises(ExportInputError, match=f"cannot read MMLU data file {bad}.*{kind}"):
+        load_mmlu(tmp_path)
+
+
+def test_a_non_utf8_byte_names_file_row_and_offset(tmp_path):
+    rows = [["multi\nline", "a", "b", "c", "d", "A"], ["fine", "a", "b", "c", "d", "B"],
+            ["caf\u00e9", "a", "b", "c", "d", "C"]]
+    write_csv(tmp_path / "test" / "x_test.csv", rows)
+    path = tmp_path / "test" / "x_test.csv"
+    data = path.read_bytes()
+    path.write_bytes(data.replace("caf\u00e9".encode(), b"caf\xe9"))  # latin-1, as old editors save it
+    offset = data.index("caf\u00e9".encode()) + 3
+    with pytest.raises(ExportInputError, match=rf"non-UTF-8 byte in {path} row 3 \(line 4\).*0xe9 at offset {offset}"):
+        load_mmlu(tmp_path, splits=["test"])
+    (tmp_path / "test" / "x_test.csv").unlink()
+    (tmp_path / "test.jsonl").write_bytes(json.dumps(record()).encode() + b'\n{"question": "\xff"}\n')
+    with pytest.raises(ExportInputError, match=r"non-UTF-8 byte in .*test\.jsonl row 2 \(line 2\)"):
+        load_mmlu(tmp_path, splits=["test"])
+
+
+def test_a_corrupt_or_empty_parquet_file_is_an_error_naming_it(tmp_path):
+    pytest.importorskip("pyarrow")
+    write_parquet(tmp_path / "anatomy" / "test-00000-of-00001.parquet", [record(subject="anatomy")])
+    bad = tmp_path / "toy" / "test-00000-of-00001.parquet"
+    bad.parent.mkdir()
+    bad.write_bytes(b"PAR1 this was cut off")
+    with pytest.raises(ExportInputError, match=f"cannot read MMLU data file {bad}"):
+        load_mmlu(tmp_path, splits=["test"])
+    write_parquet(bad, [])  # a valid file with no rows
+    with pytest.raises(ExportInputError, match="holds no questions"):
+        load_mmlu(tmp_path, splits=["test"])

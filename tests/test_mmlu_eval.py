@@ -7,9 +7,10 @@ model from ``tiny_models``. 43 questions in batches of 4 make 11 batches, so bat
 are uneven on 4 ranks (and on the 2 expert-DP replicas of EP=2).
 
 The reference is a single-process run in the pytest process itself (no torch.distributed), batch
-size 1, so it has no padding at all. Distributed runs must give the same prediction for every
-question (scores within fp32 noise), whatever the layout (EP=2, EP=4, FSDP2, Megatron's
-parallel_state) and policy.
+size 1 and full prompts, so it has no padding and no cache at all. Distributed runs must give the
+same prediction for every question (scores within fp32 noise), whatever the layout (EP=2, EP=4,
+FSDP2, Megatron's parallel_state), policy and mode (fixed batches of full prompts, or the default:
+batches sized by tokens with shared k-shot prefixes).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ TOKENIZER_VOCAB = 400
 MODEL_KW = dict(n_experts=8, num_layers=3, vocab_size=416, seed=0, initializer_range=0.5)
 SCORE_ATOL = 1e-4
 STALL_TIMEOUT_S = 3.0
+FULL_PROMPTS = dict(tokens_per_batch=0, shared_prefix=False)  # fixed batches of BATCH rows, no cache
+SHARED = dict(tokens_per_batch=600, shared_prefix=True)  # shared prefixes, several units and suffix batches per unit
 WORDS = ("alpha beta gamma delta field ring group prime matrix vector virus cell law mind society "
          "ethics norm proof").split()
 DESCRIPTION = "The following are multiple choice questions (with answers) about"
@@ -125,22 +128,33 @@ class ForwardCounter:
         self.count += 1
 
 
+def _plan(tok, test, dev, layout, policy, **kw):
+    """This rank's steps and the global batches, planned as evaluate_mmlu plans them with ``kw``."""
+    from nemo_moe_export.evaluate.planning import plan_batches, plan_steps
+    from nemo_moe_export.evaluate.prefixes import find_shared_prefixes
+    from nemo_moe_export.evaluate.prepare import prepare_questions
+
+    prepared = prepare_questions(tok, test, dev, k_shot=K_SHOT, max_length=512, scoring=kw.get("scoring", "auto"))
+    prefixes = find_shared_prefixes(prepared) if kw.get("shared_prefix", True) else ()
+    batches = plan_batches(prepared.rows, BATCH, token_budget=kw["tokens_per_batch"], prefixes=prefixes)
+    return plan_steps(batches, policy, layout), batches
+
+
 def _run_policies(model, tok, test, dev, layout, label: str, policies=("lockstep", "expert_dp"), **kw) -> dict:
     """Evaluate under each policy; keep the answers, the forward count and this rank's step plan."""
     from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
-    from nemo_moe_export.evaluate.planning import plan_batches, plan_steps
-    from nemo_moe_export.evaluate.prepare import prepare_questions
 
+    kw = FULL_PROMPTS | kw
     counter = ForwardCounter(model)
     out = {}
     for policy in policies:
         before = counter.count
         result = evaluate_mmlu(model, tok, test, dev, layout, k_shot=K_SHOT, batch_size=BATCH, policy=policy,
                                timeout_s=60, progress=False, **kw)
-        prepared = prepare_questions(tok, test, dev, k_shot=K_SHOT, max_length=512,
-                                     scoring=kw.get("scoring", "auto"))
-        plan = plan_steps(plan_batches(prepared.rows, BATCH), policy, layout)
-        out[(label, policy)] = summary(result, list(plan.batch_of_step)) | {"forwards": counter.count - before}
+        plan, batches = _plan(tok, test, dev, layout, policy, **kw)
+        kinds = [None if b is None else batches[b].kind for b in plan.batch_of_step]
+        out[(label, policy)] = summary(result, list(plan.batch_of_step)) | {"forwards": counter.count - before,
+                                                                            "kinds": kinds}
     return out
 
 
@@ -190,6 +204,8 @@ def _equivalence_worker(rank: int, world: int, data_dir: str, tok_dir: str, out_
     results |= _run_policies(model2, tok, test, dev, layout2, "ep2-uniform", policies=("lockstep",),
                              uniform_shapes=True)
     results |= _run_policies(model2, split_tok, test, dev, layout2, "ep2-full", policies=("lockstep",))
+    results |= _run_policies(model2, tok, test, dev, layout2, "ep2-shared", **SHARED)
+    results |= _run_policies(model2, split_tok, test, dev, layout2, "ep2-shared-full", policies=("lockstep",), **SHARED)
 
     # The hook protocol, as a training loop drives it: steps 1..3, then the end of training.
     callback = MMLUCallback(data_dir, every_n_steps=2, k_shot=K_SHOT, batch_size=BATCH,
@@ -211,6 +227,8 @@ def _equivalence_worker(rank: int, world: int, data_dir: str, tok_dir: str, out_
         fully_shard(layer, mesh=mesh)
     fully_shard(fsdp, mesh=mesh)
     results |= _run_policies(fsdp, tok, test, dev, discover_layout(mesh), "fsdp")
+    results |= _run_policies(fsdp, tok, test, dev, discover_layout(mesh), "fsdp-shared", policies=("lockstep",),
+                             **SHARED)
 
     from megatron.core import parallel_state
 
@@ -246,18 +264,24 @@ def _failure_worker(rank: int, world: int, data_dir: str, tok_dir: str) -> dict:
     tok = PreTrainedTokenizerFast.from_pretrained(os.path.join(tok_dir, "single"))
     test, dev = load_split_data(data_dir)
     out = {}
-    for label, ep, policy, fail_rank in (("failing_peer", 2, "lockstep", 2), ("naive", 4, "naive", None)):
+    for label, ep, policy, fail_rank, mode in (("failing_peer", 2, "lockstep", 2, FULL_PROMPTS),
+                                               ("naive", 4, "naive", None, FULL_PROMPTS),
+                                               ("failing_peer_shared", 2, "lockstep", 2, SHARED),
+                                               ("naive_shared", 4, "naive", None, SHARED)):
         layout = init_expert_parallel(ep, timeout_s=STALL_TIMEOUT_S)
         model = apply_expert_parallel(build_model(), layout)
         if rank == fail_rank:
             model.register_forward_pre_hook(_FailAtForward(2))
+        plan, batches = _plan(tok, test, dev, layout, policy, **mode)
+        kinds = [None if b is None else batches[b].kind for b in plan.batch_of_step]
         started = time.monotonic()
         try:
             evaluate_mmlu(model, tok, test, dev, layout, k_shot=K_SHOT, batch_size=BATCH, policy=policy,
-                          timeout_s=3 * STALL_TIMEOUT_S, progress=False)
-            out[label] = {"error": None, "elapsed": time.monotonic() - started}
+                          timeout_s=3 * STALL_TIMEOUT_S, progress=False, **mode)
+            out[label] = {"error": None, "elapsed": time.monotonic() - started, "kinds": kinds}
         except PeerError as exc:
-            out[label] = {"error": str(exc), "ranks": exc.ranks, "elapsed": time.monotonic() - started}
+            out[label] = {"error": str(exc), "ranks": exc.ranks, "elapsed": time.monotonic() - started,
+                          "kinds": kinds}
     return out
 
 
@@ -290,10 +314,13 @@ def reference(inputs):
     test, dev = load_split_data(inputs["data"])
     model = build_model()
     out = {}
-    for label, kind, scoring, batch in (("single", "single", "auto", 1), ("single_batched", "single", "auto", BATCH),
-                                        ("full", "single", "full", BATCH), ("split", "split", "auto", BATCH)):
+    for label, kind, scoring, batch, mode in (
+            ("single", "single", "auto", 1, FULL_PROMPTS), ("single_batched", "single", "auto", BATCH, FULL_PROMPTS),
+            ("full", "single", "full", BATCH, FULL_PROMPTS), ("split", "split", "auto", BATCH, FULL_PROMPTS),
+            ("default", "single", "auto", BATCH, {}), ("shared", "single", "auto", BATCH, SHARED),
+            ("shared_split", "split", "auto", BATCH, SHARED)):
         out[label] = summary(evaluate_mmlu(model, _tokenizer(inputs, kind), test, dev, k_shot=K_SHOT,
-                                           batch_size=batch, scoring=scoring, progress=False))
+                                           batch_size=batch, scoring=scoring, progress=False, **mode))
     return out
 
 
@@ -327,6 +354,22 @@ def test_reference_is_a_real_signal(reference):
     assert single["padding"]["waste"] == 0.0
 
 
+@pytest.mark.parametrize("mode,want", [("default", "single"), ("shared", "single"), ("shared_split", "split")])
+def test_shared_prefix_equals_full_prompts(reference, mode, want):
+    """fp32: the same predictions as full prompts, log-likelihoods within 1e-4, with the k-shot
+    prefix computed once per unit and its cache continued (the default mode, and a small budget
+    that makes several units and several suffix batches per unit)."""
+    got = reference[mode]
+    assert got["scoring"]["shared_prefixes"] == len(SUBJECTS), got["scoring"]
+    assert got["scoring"]["shared_prefix_rows"] == got["scoring"]["rows"]
+    assert got["padding"]["prefix_forwards"] >= 1 and got["padding"]["real_tokens"] < reference[want]["padding"][
+        "real_tokens"] * 0.6, "the prefix was not shared"
+    _assert_same_answers(got, reference[want], f"{mode} vs full prompts")
+    if mode != "default":
+        assert got["scoring"]["prefix_batches"] >= 3 and got["scoring"]["batches"] >= 2 * got["scoring"][
+            "prefix_batches"], got["scoring"]
+
+
 def test_padded_batches_equal_unpadded(reference):
     batched = reference["single_batched"]
     assert batched["padding"]["padded_tokens"] > 0, "no padding happened; the test would prove nothing"
@@ -356,19 +399,21 @@ def test_predictions_match_a_direct_forward(inputs, reference):
 
 
 def test_one_position_list_per_batch_equals_per_row_positions(inputs, reference, monkeypatch):
-    """transformers releases before per-row ``logits_to_keep`` get one 1-D list of positions per
-    batch (each row then picks its own): same predictions, scores within float rounding."""
+    """transformers releases before per-row ``logits_to_keep`` (5.17 on the GPU image) get each
+    row's positions gathered in front of the output head: same predictions, scores within float
+    rounding, for full prompts and shared prefixes."""
     from nemo_moe_export.evaluate import runner
     from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
 
     monkeypatch.setattr(runner, "_accepts_row_positions", lambda: False)
     test, dev = load_split_data(inputs["data"])
-    result = evaluate_mmlu(build_model(), _tokenizer(inputs), test, dev, k_shot=K_SHOT, batch_size=BATCH,
-                           progress=False)
-    got = summary(result)
-    assert got["pred"] == reference["single"]["pred"]
-    for mine, theirs in zip(got["scores"], reference["single"]["scores"]):
-        assert mine == pytest.approx(theirs, abs=SCORE_ATOL)
+    for mode in (FULL_PROMPTS, SHARED):
+        result = evaluate_mmlu(build_model(), _tokenizer(inputs), test, dev, k_shot=K_SHOT, batch_size=BATCH,
+                               progress=False, **mode)
+        got = summary(result)
+        assert got["pred"] == reference["single"]["pred"]
+        for mine, theirs in zip(got["scores"], reference["single"]["scores"]):
+            assert mine == pytest.approx(theirs, abs=SCORE_ATOL)
 
 
 def test_truncation_cuts_from_the_left_and_is_reported(inputs):
@@ -376,14 +421,20 @@ def test_truncation_cuts_from_the_left_and_is_reported(inputs):
 
     test, dev = load_split_data(inputs["data"])
     model, tok = build_model(), _tokenizer(inputs)
-    short = evaluate_mmlu(model, tok, test[:8], dev, k_shot=K_SHOT, batch_size=BATCH, max_length=48, progress=False)
-    unbatched = evaluate_mmlu(model, tok, test[:8], dev, k_shot=K_SHOT, batch_size=1, max_length=48, progress=False)
+    short = evaluate_mmlu(model, tok, test[:8], dev, k_shot=K_SHOT, batch_size=BATCH, max_length=48, progress=False,
+                          **FULL_PROMPTS)
+    unbatched = evaluate_mmlu(model, tok, test[:8], dev, k_shot=K_SHOT, batch_size=1, max_length=48, progress=False,
+                              **FULL_PROMPTS)
     assert short.scoring["truncated_questions"] == 8 and short.padding["fed_tokens"] <= 8 * 48
     assert short.predictions == unbatched.predictions
+    default = evaluate_mmlu(model, tok, test[:8], dev, k_shot=K_SHOT, max_length=48, progress=False)
+    assert default.scoring["shared_prefix_rows"] == 0, "cut rows must keep their full prompts"
+    assert default.predictions == unbatched.predictions
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "malformed_csv", "unknown_subject", "k_too_large",
-                                  "split_letters", "vocab_mismatch", "bad_policy"])
+                                  "split_letters", "vocab_mismatch", "bad_policy", "bad_tokens_per_batch",
+                                  "bad_shared_prefix"])
 def test_bad_input_is_a_clear_error(inputs, tmp_path, case):
     from nemo_moe_export.evaluate.callback import MMLUCallback
     from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
@@ -405,6 +456,9 @@ def test_bad_input_is_a_clear_error(inputs, tmp_path, case):
         "vocab_mismatch": (lambda: evaluate_mmlu(build_model_with_vocab(256), tok, test, dev, k_shot=K_SHOT),
                            "outside the model's vocabulary"),
         "bad_policy": (lambda: MMLUCallback(inputs["data"], policy="naive"), "policy"),
+        "bad_tokens_per_batch": (lambda: evaluate_mmlu(model, tok, test, dev, k_shot=K_SHOT, tokens_per_batch=-8),
+                                 "tokens_per_batch"),
+        "bad_shared_prefix": (lambda: MMLUCallback(inputs["data"], shared_prefix="yes"), "shared_prefix"),
     }
     call, message = calls[case]
     with pytest.raises(ExportInputError, match=message):
@@ -456,7 +510,8 @@ def test_plan_balances_steps_and_keeps_padding_low(inputs):
 
 RUNS = [("ep2", "lockstep"), ("ep2", "expert_dp"), ("ep4", "lockstep"), ("ep4", "expert_dp"),
         ("fsdp", "lockstep"), ("fsdp", "expert_dp"), ("megatron", "lockstep"), ("megatron", "expert_dp"),
-        ("ep2-uniform", "lockstep")]
+        ("ep2-uniform", "lockstep"), ("ep2-shared", "lockstep"), ("ep2-shared", "expert_dp"),
+        ("fsdp-shared", "lockstep")]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "-".join(r))
@@ -469,9 +524,20 @@ def test_distributed_predictions_equal_single_process(run, distributed, referenc
 def test_full_continuation_path_distributed(distributed, reference):
     per_rank, _ = distributed
     for rank, results in enumerate(per_rank):
-        got = results[("ep2-full", "lockstep")]
-        assert got["scoring"]["full_questions"] == N_QUESTIONS
-        _assert_same_answers(got, reference["split"], f"full path rank {rank}")
+        for run in ("ep2-full", "ep2-shared-full"):
+            got = results[(run, "lockstep")]
+            assert got["scoring"]["full_questions"] == N_QUESTIONS
+            _assert_same_answers(got, reference["split"], f"{run} rank {rank}")
+
+
+def test_prefix_forwards_are_steps_like_any_other(distributed):
+    """Guards the shared-prefix runs: every rank ran prefix and suffix forwards, and at some step
+    ranks ran forwards of different kinds (each still exactly one forward, counted above)."""
+    per_rank, _ = distributed
+    for run in (("ep2-shared", "lockstep"), ("ep2-shared", "expert_dp"), ("fsdp-shared", "lockstep")):
+        kinds = [results[run]["kinds"] for results in per_rank]
+        assert all("prefix" in k and "suffix" in k for k in kinds), kinds
+        assert any(len({k[s] for k in kinds}) > 1 for s in range(len(kinds[0]))), kinds
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: "-".join(r))
@@ -537,19 +603,16 @@ def test_callback_writes_results(distributed, reference):
     assert set(payload["results"]["categories"]) == {"stem", "humanities", "social_sciences", "other"}
     assert [p["pred"] for p in payload["predictions"]] == reference["single"]["pred"]
     assert payload["layout"]["ep"]["size"] == 2 and payload["layout"]["dp"]["size"] == WORLD
-    assert payload["timing"]["questions_per_s"] > 0 and 0 <= payload["padding"]["waste"] <= 0.10
+    # the callback runs the default mode: here one unit, all suffixes (1-30 words) in one batch
+    assert payload["timing"]["questions_per_s"] > 0 and 0 <= payload["padding"]["waste"] <= 0.5
+    assert payload["scoring"]["shared_prefix_rows"] == N_QUESTIONS and payload["padding"]["prefix_forwards"] >= 1
     assert [h["step"] for h in payload["history"]] == [2, 3]
     markdown = open(os.path.join(out_dir, "mmlu_results.md")).read()
     overall = reference["single"]["metrics"]["overall"]
     assert f"| **mmlu** | {100 * overall['acc']:.2f} | {overall['correct']} | {N_QUESTIONS} |" in markdown
     assert "| - humanities |" in markdown and "|   - virology |" in markdown
-    try:  # the chart is optional: written exactly when matplotlib is importable
-        import matplotlib  # noqa: F401
-
-        has_matplotlib = True
-    except ImportError:
-        has_matplotlib = False
-    assert os.path.exists(os.path.join(out_dir, "mmlu_categories.png")) == has_matplotlib
+    for chart in ("mmlu_categories.png", "mmlu_history.png"):
+        assert open(os.path.join(out_dir, chart), "rb").read(8) == b"\x89PNG\r\n\x1a\n", chart
 
 
 @pytest.fixture(scope="module")
@@ -564,6 +627,28 @@ def test_failing_peer_is_an_error_on_every_rank_naming_the_step(failures):
         assert "mmlu step 2 of 3" in res["error"], res["error"]
         assert "injected failure" in res["error"] and 2 in res["ranks"], res
         assert res["elapsed"] < 4 * STALL_TIMEOUT_S + 5, res
+
+
+def test_failing_peer_with_shared_prefixes(failures):
+    """The same with shared prefixes: rank 2 fails its second forward (a suffix after its prefix
+    forward), every rank names that step."""
+    assert failures[2]["failing_peer_shared"]["kinds"][0] == "prefix", "rank 2 must fail right after a prefix forward"
+    for rank, out in enumerate(failures):
+        res = out["failing_peer_shared"]
+        assert res["error"] is not None, f"rank {rank} finished although rank 2 failed"
+        assert f"mmlu step 2 of {len(res['kinds'])}" in res["error"], res["error"]
+        assert "injected failure" in res["error"] and 2 in res["ranks"], res
+        assert res["elapsed"] < 4 * STALL_TIMEOUT_S + 5, res
+
+
+def test_naive_sharding_with_shared_prefixes_stalls_and_is_reported(failures):
+    steps = [len(out["naive_shared"]["kinds"]) for out in failures]
+    assert len(set(steps)) > 1, f"the shared-prefix plan is even ({steps}): the stall would not be exercised"
+    for rank, out in enumerate(failures):
+        res = out["naive_shared"]
+        assert res["error"] is not None, f"rank {rank}: naive sharding did not stall"
+        assert "timed out" in res["error"].lower() or "no report" in res["error"].lower(), res["error"]
+        assert STALL_TIMEOUT_S - 0.5 <= res["elapsed"] < 4 * STALL_TIMEOUT_S + 5, res
 
 
 def test_naive_sharding_stalls_and_is_reported_not_hung(failures):

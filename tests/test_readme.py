@@ -330,6 +330,9 @@ def test_other_bash_commands_name_what_exists(command):
         assert set(argv[1:]) <= targets, f"README.md:{command.line}: make {argv[1:]}; targets {sorted(targets)}"
     elif argv[0] == "python" and argv[1].endswith(".py"):
         assert (ROOT / argv[1]).is_file(), f"README.md:{command.line}: {argv[1]} not found"
+    elif argv[:2] == ["pip", "install"]:  # the torch pin the Makefile uses, or this package itself
+        assert argv[2:] in (["."], [re.search(r'TORCH\s*\?=\s*(\S+)', (ROOT / "Makefile").read_text())[1]]), \
+            f"README.md:{command.line}: pip install {argv[2:]}"
     else:
         pytest.fail(f"README.md:{command.line}: a command this test does not know how to check: {argv[0]}")
 

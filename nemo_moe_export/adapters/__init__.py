@@ -1,7 +1,9 @@
 """State-dict adapters: one engine (``engine.py``) and one small table per model family (``tables.py``).
 
 Layers, lowest first: ``sources.py`` (checkpoint readers) <- ``fp8.py`` (the FP8 block reader) <-
-``engine.py`` <- ``tables.py``.
+``engine.py`` <- ``tables.py`` (transformers / NeMo AutoModel names) and ``tables_megatron.py``
+(megatron-core names; picked when the config carries an ``in_memory_layout``, as the configs of
+``nemo_moe_export.megatron`` do).
 
 >>> adapter = get_adapter(model.config)          # picked by config.model_type
 >>> shards = adapter.to_hf(model.state_dict())   # {hf_key: HFShard}, views of this rank's shards
@@ -12,15 +14,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_moe_export.adapters.engine import HFShard, KeyRule, LoadReport, ModelTable, StateDictAdapter, expert_rules
+from nemo_moe_export.adapters.engine import (
+    HFShard,
+    InMemoryLayout,
+    KeyRule,
+    LoadReport,
+    LocalExperts,
+    ModelTable,
+    StateDictAdapter,
+    expert_rules,
+)
 from nemo_moe_export.adapters.sources import SafetensorsSource, TensorDictSource, TensorMeta
-from nemo_moe_export.adapters.tables import TABLES
+from nemo_moe_export.adapters.tables import TABLES as _TRANSFORMERS_TABLES
+from nemo_moe_export.adapters.tables_megatron import MEGATRON_TABLES
 from nemo_moe_export.errors import ExportInputError
 
 __all__ = [
     "HFShard",
+    "InMemoryLayout",
     "KeyRule",
     "LoadReport",
+    "LocalExperts",
     "ModelTable",
     "SafetensorsSource",
     "StateDictAdapter",
@@ -31,6 +45,8 @@ __all__ = [
     "get_table",
     "supported_model_types",
 ]
+
+TABLES: tuple[ModelTable, ...] = (*_TRANSFORMERS_TABLES, *MEGATRON_TABLES)
 
 
 def supported_model_types() -> list[str]:
@@ -51,7 +67,15 @@ def get_table(model_type: str) -> ModelTable:
 
 
 def get_adapter(config: Any, model_type: str | None = None) -> StateDictAdapter:
-    """The adapter for a model's HF config (a ``PretrainedConfig`` or a dict)."""
+    """The adapter for a model's HF config (a ``PretrainedConfig`` or a dict).
+
+    A config with an ``in_memory_layout`` (:class:`InMemoryLayout`, set by
+    ``nemo_moe_export.megatron`` and never written to ``config.json``) names state dicts in another
+    framework's names: the table ``"{naming}:{model_type}"`` is used, with the model's local experts.
+    """
     if model_type is None:
         model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    return StateDictAdapter(config, get_table(model_type))
+    layout = getattr(config, "in_memory_layout", None)
+    if layout is None:
+        return StateDictAdapter(config, get_table(model_type))
+    return StateDictAdapter(config, get_table(f"{layout.naming}:{model_type}"), local_experts=layout.local_experts)

@@ -20,6 +20,7 @@ error before anything is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -31,11 +32,13 @@ from typing import Any
 import torch
 
 from nemo_moe_export.adapters.fp8 import open_source
+from nemo_moe_export.adapters.passthrough import group_place, read_passthrough, split_extra_keys
 from nemo_moe_export.adapters.sources import TensorDictSource, TensorMeta
 from nemo_moe_export.errors import ExportInputError, current_rank
 from nemo_moe_export.layout import LocalBox, local_box
 
-__all__ = ["HFShard", "KeyRule", "LoadReport", "ModelTable", "StateDictAdapter", "expert_rules"]
+__all__ = ["HFShard", "InMemoryLayout", "KeyRule", "LoadReport", "LocalExperts", "ModelTable", "StateDictAdapter",
+           "expert_rules"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -53,6 +56,18 @@ class KeyRule:
     ``split_dim``, one per target, in order. ``transpose`` means the HF tensor is the transpose of
     the 2-D part. ``group`` names rules that must appear together for the same ``prefix`` group
     (an MoE layer needs both its gate/up and its down tensor).
+
+    For layouts that are not transformers' (megatron-core, docs/design.md#megatron-core-models):
+
+    * ``local_experts``: the tensor belongs to this rank's *local* experts. A named group ``local``
+      in ``source`` is the local expert index (one tensor per expert), or with ``per_expert`` dim 0
+      counts the local experts; the global ids are the model's own (:class:`LocalExperts` of the
+      MoE module named by the group ``moe``), never re-derived from ranks.
+    * ``experts_view``: with ``per_expert``, view the tensor as ``[experts, *experts_view]`` first
+      (ints or config field names; one entry may be -1), as the model itself views it.
+    * ``split_groups`` / ``split_units``: the split dim holds ``split_groups`` (a config field)
+      interleaved blocks, each with every target's part in order, parts sized in proportion to
+      ``split_units`` (config fields); the default is one block of equal parts.
     """
 
     source: str
@@ -61,6 +76,10 @@ class KeyRule:
     split_dim: int = 0
     transpose: bool = False
     group: str | None = None
+    local_experts: bool = False
+    experts_view: tuple[int | str, ...] | None = None
+    split_groups: str | None = None
+    split_units: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_pattern", re.compile(self.source))
@@ -98,10 +117,13 @@ def expert_rules(
 class ModelTable:
     """Everything the engine needs to know about one model family.
 
-    ``rules`` are tried in order, first match wins; unmatched keys keep their name.
+    ``rules`` are tried in order, first match wins; unmatched keys keep their name, unless
+    ``require_rule`` (a framework whose names are never transformers') makes them an error.
     ``num_experts_fields`` are config attributes naming the routed-expert count, tried in order.
     ``tied_keys`` are in-memory keys that alias another tensor when the config ties word
-    embeddings; transformers writes them once, so the engine skips them.
+    embeddings; transformers writes them once, so the engine skips them. ``fp8_weights`` are
+    regexes (``re.search`` over HF keys) of the weights the family's official FP8 checkpoints store
+    block-quantized; ``export.quantize=fp8_block`` quantizes those (docs/design.md#fp8-block-format).
     """
 
     model_types: tuple[str, ...]
@@ -109,6 +131,39 @@ class ModelTable:
     num_experts_fields: tuple[str, ...]
     tied_keys: tuple[str, ...] = ("lm_head.weight",)
     description: str = ""
+    require_rule: bool = False
+    fp8_weights: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LocalExperts:
+    """The global ids of the routed experts one MoE module holds on every rank of its EP group, as
+    the model numbers them (megatron-core's ``local_expert_indices``, gathered from each EP rank).
+
+    ``by_ep_rank[r][i]`` is the global id of local expert ``i`` on EP rank ``r``; this rank is
+    ``ep_rank``.
+    """
+
+    by_ep_rank: tuple[tuple[int, ...], ...]
+    ep_rank: int
+
+    @property
+    def mine(self) -> tuple[int, ...]:
+        return self.by_ep_rank[self.ep_rank]
+
+    def at(self, slot: int) -> tuple[int, ...]:
+        """The global id of local expert ``slot`` on every EP rank."""
+        return tuple(ids[slot] for ids in self.by_ep_rank)
+
+
+@dataclass(frozen=True)
+class InMemoryLayout:
+    """How a framework's in-memory state dict differs from transformers': the table namespace its
+    keys are named in (``get_adapter`` looks up ``"{naming}:{model_type}"``) and the local experts
+    of each MoE module. A config carries it as ``in_memory_layout`` (``nemo_moe_export.megatron``)."""
+
+    naming: str
+    local_experts: Mapping[str, LocalExperts] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -123,7 +178,9 @@ class HFShard:
     ``tensor`` is a view of the rank's own shard (HF orientation; possibly non-contiguous when
     the in-memory layout is transposed relative to HF). It covers ``offsets[d] : offsets[d] +
     tensor.shape[d]`` of a tensor of ``global_shape``. ``primary`` is True on exactly one of the
-    ranks holding this same part, so writing only primaries writes each byte once.
+    ranks holding this same part, so writing only primaries writes each byte once. ``replica`` /
+    ``replicas`` number the ranks holding this same part (``layout.LocalBox``; primary is holder 0),
+    so the export can let every holder write a share of it (docs/design.md#replica-agreement).
     """
 
     key: str
@@ -133,6 +190,8 @@ class HFShard:
     primary: bool
     source_key: str
     expert: int | None = None
+    replica: int = 0
+    replicas: int = 1
 
     @property
     def is_whole(self) -> bool:
@@ -147,6 +206,14 @@ class LoadReport:
     expert_bytes_read: int = 0
     slices_read: int = 0
     keys_filled: list[str] = field(default_factory=list)
+    # Checkpoint tensors the model has no parameter for, kept as this rank's slice of each
+    # (docs/design.md#pass-through-tensors); export_hf_checkpoint(..., extra=) writes them back.
+    passthrough: dict[str, HFShard] = field(default_factory=dict)
+    passthrough_bytes_read: int = 0
+
+    @property
+    def passthrough_keys(self) -> list[str]:
+        return sorted(self.passthrough)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,9 +221,15 @@ class LoadReport:
 # --------------------------------------------------------------------------------------------------
 
 
-def _plain_is_primary() -> bool:
+def world_replica() -> tuple[int, int]:
+    """``(rank, world size)``: a plain tensor's place among its holders when every rank of the
+    world holds it (the default of ``to_hf``: rank 0 is the primary)."""
     rank = current_rank()
-    return rank is None or rank == 0
+    if rank is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    return rank, dist.get_world_size()
 
 
 class StateDictAdapter:
@@ -164,14 +237,20 @@ class StateDictAdapter:
 
     Build it from the model's HF config (``get_adapter(config)`` picks the table by
     ``model_type``). DTensors are read through their own placements; plain tensors are taken as
-    whole tensors present on every rank (rank 0 is their primary).
+    whole tensors present on every rank (rank 0 is their primary). ``passthrough`` holds what the
+    last ``from_hf`` kept of checkpoint tensors the model has no parameter for; an export with this
+    adapter writes them back (docs/design.md#pass-through-tensors).
     """
 
-    def __init__(self, config: Any, table: ModelTable) -> None:
+    def __init__(self, config: Any, table: ModelTable,
+                 local_experts: Mapping[str, LocalExperts] | None = None) -> None:
         self.config = config
         self.table = table
+        self.passthrough: dict[str, HFShard] = {}
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.text_config = text
         self.num_experts = self._read_num_experts(text)
+        self.local_experts = dict(local_experts or {})  # MoE module -> LocalExperts (megatron-core)
         self.tie_word_embeddings = bool(_cfg_get(config, "tie_word_embeddings", False))
 
     def _read_num_experts(self, config: Any) -> int:
@@ -203,6 +282,12 @@ class StateDictAdapter:
             if self._skipped(key):
                 continue
             rule, m = self._rule_for(key)
+            if rule is None and self.table.require_rule:
+                raise ExportInputError(
+                    "no rule maps this in-memory key to an HF name", key=key,
+                    expected=f"a key of the table '{self.table.description}'", actual="no rule matched",
+                    hint="the model has a module the table does not cover (see docs/design.md#megatron-core-models)",
+                )
             yield key, tensor, rule, m
 
     def hf_metadata(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
@@ -211,70 +296,84 @@ class StateDictAdapter:
         Uses global shapes only, so it is the same on every rank with no communication. Raises on
         malformed expert tensors (wrong count, odd gate/up size, mismatched siblings).
         """
+        return {hf_key: meta for hf_key, (meta, _) in self._hf_layout(state_dict).items()}
+
+    def hf_source_keys(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+        """``{hf_key: in-memory key}``: which state-dict tensor each HF tensor comes from."""
+        return {hf_key: source for hf_key, (_, source) in self._hf_layout(state_dict).items()}
+
+    def _hf_layout(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, tuple[TensorMeta, str]]:
         self._validate(state_dict)
-        out: dict[str, TensorMeta] = {}
+        out: dict[str, tuple[TensorMeta, str]] = {}
         for key, tensor, rule, m in self._entries(state_dict):
             shape = tuple(tensor.shape)
             if rule is None:
                 self._add_meta(out, key, TensorMeta(shape, tensor.dtype), key)
                 continue
-            part_shape = _part_shape(rule, shape)
-            experts = range(shape[0]) if rule.per_expert else [None]
-            for e in experts:
-                for template in rule.targets:
-                    self._add_meta(out, _target(template, m, e), TensorMeta(part_shape, tensor.dtype), key)
+            for hf_key, part_shape in self._targets(key, rule, m, shape):
+                self._add_meta(out, hf_key, TensorMeta(part_shape, tensor.dtype), key)
         return out
 
     @staticmethod
-    def _add_meta(out: dict[str, TensorMeta], hf_key: str, meta: TensorMeta, source_key: str) -> None:
+    def _add_meta(out: dict[str, tuple[TensorMeta, str]], hf_key: str, meta: TensorMeta, source_key: str) -> None:
         if hf_key in out:
             raise ExportInputError(
                 "two in-memory tensors map to the same HF key", key=hf_key,
                 expected="one source", actual=f"a second one, '{source_key}'",
                 hint="the state dict likely holds the same weight under two layouts (fused and grouped)",
             )
-        out[hf_key] = meta
+        out[hf_key] = (meta, source_key)
 
     def _validate(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Refuse malformed expert tensors and MoE layers missing part of their layout."""
-        layers: dict[tuple[str, str], dict[str, torch.Tensor]] = defaultdict(dict)
+        layers: dict[tuple[str, str], dict[str, tuple[str, re.Match[str], torch.Tensor]]] = defaultdict(dict)
         for key, tensor, rule, m in self._entries(state_dict):
             if rule is None:
                 continue
-            self._check_rule_shape(key, rule, tuple(tensor.shape))
+            self._check_rule_shape(key, rule, m, tuple(tensor.shape))
             if rule.group is not None:
-                layers[(rule.group, m.group("prefix"))][rule.source] = tensor
+                layers[(rule.group, m.group("prefix"))][rule.source] = (key, m, tensor)
         for (group, prefix), found in layers.items():
             self._check_layer_complete(group, prefix, found)
             self._check_expert_siblings(group, prefix, found)
 
-    def _check_rule_shape(self, key: str, rule: KeyRule, shape: tuple[int, ...]) -> None:
-        """A tensor can take its rule: 3-D with the config's expert count when per expert, divisible
-        into the rule's parts, 2-D per part when transposed."""
+    def _check_rule_shape(self, key: str, rule: KeyRule, m: re.Match[str], shape: tuple[int, ...]) -> None:
+        """A tensor can take its rule: 3-D with the config's expert count (this rank's local experts
+        for local rules) when per expert, divisible into the rule's parts, 2-D per part when
+        transposed."""
+        local = self._local_experts_of(key, rule, m)
+        shape = self._rule_shape(key, rule, m, shape)
         if rule.per_expert:
             if len(shape) != 3:
                 raise ExportInputError(
                     "stacked expert tensor must be 3-D [experts, rows, cols]", key=key,
                     expected="3 dims", actual=f"shape {shape}",
                 )
-            if shape[0] != self.num_experts:
+            count = self.num_experts if local is None else len(local.mine)
+            if shape[0] != count:
                 raise ExportInputError(
                     "expert count in the tensor disagrees with the config", key=key,
-                    expected=f"{self.num_experts} experts (config)", actual=f"{shape[0]} (shape {shape})",
+                    expected=f"{count} experts ({'config' if local is None else 'local_expert_indices'})",
+                    actual=f"{shape[0]} (shape {shape})",
                     hint="build the adapter from the config the model was created with",
                 )
+        elif local is not None and int(m.group("local")) >= len(local.mine):
+            raise ExportInputError("local expert index beyond the experts this rank holds", key=key,
+                                   expected=f"< {len(local.mine)} (local_expert_indices {list(local.mine)})",
+                                   actual=m.group("local"))
         inner = shape[1:] if rule.per_expert else shape
-        parts = len(rule.targets)
-        if parts > 1 and (len(inner) <= rule.split_dim or inner[rule.split_dim] % parts):
-            raise ExportInputError(
-                f"cannot split into {parts} equal parts along dim {rule.split_dim}",
-                key=key, expected=f"a size divisible by {parts}", actual=f"shape {shape}",
-            )
+        if len(rule.targets) > 1 and len(inner) <= rule.split_dim:
+            raise ExportInputError(f"cannot split along dim {rule.split_dim}", key=key,
+                                   expected=f"more than {rule.split_dim} dims", actual=f"shape {shape}")
+        self._split_sizes(key, rule, inner)
+        if (rule.split_groups or rule.split_units) and (rule.per_expert or rule.transpose):
+            raise ExportInputError("an interleaved split applies to plain, untransposed tensors", key=key,
+                                   expected="per_expert=False, transpose=False", actual=rule)
         if rule.transpose and len(inner) != 2:
             raise ExportInputError("transposed tensor must be 2-D per part", key=key,
                                    expected="2 dims", actual=f"shape {inner}")
 
-    def _check_layer_complete(self, group: str, prefix: str, found: dict[str, torch.Tensor]) -> None:
+    def _check_layer_complete(self, group: str, prefix: str, found: dict[str, Any]) -> None:
         """An MoE layer has every tensor of its layout (both gate/up and down)."""
         needed = [r.source for r in self.table.rules if r.group == group]
         if any(s not in found for s in needed):
@@ -283,11 +382,11 @@ class StateDictAdapter:
                 expected=f"keys matching {needed}", actual=f"only {sorted(found)}",
             )
 
-    def _check_expert_siblings(self, group: str, prefix: str, found: dict[str, torch.Tensor]) -> None:
+    def _check_expert_siblings(self, group: str, prefix: str, found: dict[str, Any]) -> None:
         metas = []
-        for source, tensor in found.items():
+        for source, (key, m, tensor) in found.items():
             rule = next(r for r in self.table.rules if r.source == source)
-            metas.append((rule, _part_shape(rule, tuple(tensor.shape)), tensor.dtype))
+            metas.append((rule, next(self._targets(key, rule, m, tuple(tensor.shape)))[1], tensor.dtype))
         gate_shape = next(s for r, s, _ in metas if len(r.targets) == 2)
         down_shape = next(s for r, s, _ in metas if len(r.targets) == 1)
         if tuple(reversed(down_shape)) != gate_shape:
@@ -301,28 +400,127 @@ class StateDictAdapter:
             raise ExportInputError("expert tensors of one layer differ in dtype", key=prefix,
                                    expected="one dtype", actual=sorted(map(str, dtypes)))
 
+    # ---- rule geometry: local experts, expert views, interleaved splits (megatron-core) ------------
+
+    def _config_int(self, name: int | str) -> int:
+        if isinstance(name, int):
+            return name
+        value = _cfg_get(self.text_config, name, None)
+        if not isinstance(value, int):
+            raise ExportInputError("the table needs a config field the config does not set", key=name,
+                                   expected="an integer", actual=repr(value))
+        return value
+
+    def _local_experts_of(self, key: str, rule: KeyRule, m: re.Match[str]) -> LocalExperts | None:
+        """The model's local experts for a local-expert rule (checked to number every expert once)."""
+        if not rule.local_experts:
+            return None
+        found = self.local_experts.get(m.group("moe"))
+        if found is None:
+            raise ExportInputError(
+                "the adapter does not know which experts this rank holds", key=key,
+                expected=f"the local_expert_indices of MoE module '{m.group('moe')}'",
+                actual=f"known for {sorted(self.local_experts) or 'no module'}",
+                hint="build the adapter from the config of a nemo_moe_export.megatron.MegatronCausalLM",
+            )
+        every = sorted(e for ids in found.by_ep_rank for e in ids)
+        if every != list(range(self.num_experts)) or len({len(ids) for ids in found.by_ep_rank}) != 1:
+            raise ExportInputError(
+                "the EP ranks' local experts do not number every expert exactly once", key=m.group("moe"),
+                expected=f"equal blocks covering 0..{self.num_experts - 1}",
+                actual=f"local_expert_indices by EP rank {[list(i) for i in found.by_ep_rank]}",
+            )
+        return found
+
+    def _rule_shape(self, key: str, rule: KeyRule, m: re.Match[str], shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape the rule splits: ``[experts, *experts_view]`` when it views the tensor."""
+        if rule.experts_view is None:
+            return shape
+        local = self._local_experts_of(key, rule, m)
+        n = self.num_experts if local is None else len(local.mine)
+        view = [self._config_int(v) for v in rule.experts_view]
+        known = n * math.prod(v for v in view if v != -1)
+        if len(shape) != 2 or math.prod(shape) % known or view.count(-1) > 1:
+            raise ExportInputError(f"cannot view the tensor as {n} experts of {tuple(view)}", key=key,
+                                   expected=f"a 2-D tensor of a multiple of {known} elements",
+                                   actual=f"shape {shape}")
+        return (n, *(math.prod(shape) // known if v == -1 else v for v in view))
+
+    def _split_sizes(self, key: str, rule: KeyRule, inner: list[int] | tuple[int, ...]) -> tuple[int, list[int]]:
+        """``(groups, rows of each target per group)`` along the rule's split dim."""
+        n = len(rule.targets)
+        if n == 1:
+            return 1, [inner[rule.split_dim] if len(inner) > rule.split_dim else 0]
+        groups = self._config_int(rule.split_groups) if rule.split_groups else 1
+        units = [self._config_int(u) for u in rule.split_units] if rule.split_units else [1] * n
+        total = inner[rule.split_dim]
+        if total % groups or (total // groups) % sum(units):
+            raise ExportInputError(
+                f"cannot split dim {rule.split_dim} into {groups} groups of parts in proportion {units}",
+                key=key, expected=f"a size divisible by {groups * sum(units)}", actual=f"shape {tuple(inner)}",
+            )
+        per_unit = total // groups // sum(units)
+        return groups, [per_unit * u for u in units]
+
+    def _targets(self, key: str, rule: KeyRule, m: re.Match[str], shape: tuple[int, ...]
+                 ) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Every HF key a tensor of global ``shape`` maps to, with its global shape: the same on
+        every rank (local experts list every EP rank's ids)."""
+        shape = self._rule_shape(key, rule, m, shape)
+        inner = list(shape[1:] if rule.per_expert else shape)
+        groups, sizes = self._split_sizes(key, rule, inner)
+        local = self._local_experts_of(key, rule, m)
+        if local is None:
+            experts = range(shape[0]) if rule.per_expert else [None]
+        else:
+            experts = [e for ids in local.by_ep_rank for e in ids] if rule.per_expert else local.at(int(m.group("local")))
+        for expert in experts:
+            for template, size in zip(rule.targets, sizes):
+                part = list(inner)
+                if len(rule.targets) > 1:
+                    part[rule.split_dim] = groups * size
+                yield _target(template, m, expert), tuple(reversed(part)) if rule.transpose else tuple(part)
+
+    def _pieces_of(self, key: str, rule: KeyRule, m: re.Match[str], box: LocalBox, merge: bool) -> Iterator[HFShard]:
+        """This rank's HF pieces of one matched tensor (views; ``merge`` joins an interleaved split's
+        per-group views of one HF tensor into one copy, as ``to_hf`` returns one piece per key)."""
+        local = self._local_experts_of(key, rule, m)
+        if rule.experts_view is not None:
+            box = _viewed(key, box, self._rule_shape(key, rule, m, box.global_shape))
+        experts = None if local is None else (local.mine if rule.per_expert else (local.mine[int(m.group("local"))],))
+        if rule.split_groups is None and rule.split_units is None:
+            yield from _rule_pieces(key, rule, m, box, experts)
+            return
+        groups, sizes = self._split_sizes(key, rule, box.global_shape)
+        yield from _interleaved_pieces(key, rule, m, box, groups, sizes, merge)
+
     # ---- to_hf / from_hf ------------------------------------------------------------------------
 
-    def _pieces(self, state_dict: Mapping[str, torch.Tensor]) -> Iterator[HFShard]:
-        plain_primary = _plain_is_primary()
+    def _pieces(self, state_dict: Mapping[str, torch.Tensor],
+                 plain_replica: tuple[int, int] | None = None, merge: bool = False) -> Iterator[HFShard]:
+        plain_replica = plain_replica or world_replica()
         for key, tensor, rule, m in self._entries(state_dict):
-            box = local_box(tensor, key=key, plain_is_primary=plain_primary)
+            box = local_box(tensor, key=key, plain_replica=plain_replica)
             if rule is None:
                 if not box.is_empty or (box.primary and math.prod(box.global_shape) == 0):
-                    yield HFShard(key, box.global_shape, box.offsets, box.local, box.primary, key)
+                    yield HFShard(key, box.global_shape, box.offsets, box.local, box.primary, key,
+                                  replica=box.replica, replicas=box.replicas)
                 continue
-            yield from _rule_pieces(key, rule, m, box)
+            yield from self._pieces_of(key, rule, m, box, merge)
 
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, HFShard]:
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor], *,
+              plain_replica: tuple[int, int] | None = None) -> dict[str, HFShard]:
         """The HF tensors (or parts of them) this rank holds, keyed by HF name, as views.
 
         Per-expert keys carry global expert ids. Nothing is copied: each ``HFShard.tensor`` is a
-        view of the local shard. Ranks holding no part of a tensor (empty trailing FSDP shards)
-        return no entry for it.
+        view of the local shard, except for an interleaved split (megatron-core's ``linear_qkv``),
+        whose per-group views of one HF tensor are joined into one copy. Ranks holding no part of a
+        tensor (empty trailing FSDP shards) return no entry for it. Plain (non-DTensor) tensors are held by every rank of a group;
+        ``plain_replica`` is this rank's ``(index, count)`` in it (default: the world's).
         """
         self._validate(state_dict)
         out: dict[str, HFShard] = {}
-        for piece in self._pieces(state_dict):
+        for piece in self._pieces(state_dict, plain_replica, merge=True):
             if piece.key in out:
                 raise ExportInputError("two in-memory tensors map to the same HF key", key=piece.key,
                                        expected=out[piece.key].source_key, actual=piece.source_key)
@@ -336,6 +534,8 @@ class StateDictAdapter:
         *,
         strict: bool = True,
         allow_dtype_cast: bool = False,
+        passthrough: bool = True,
+        group: Any = None,
     ) -> LoadReport:
         """Fill ``state_dict`` (the model's own, possibly sharded, tensors) in place from HF weights.
 
@@ -345,18 +545,33 @@ class StateDictAdapter:
         changed. Tied aliases (``lm_head.weight`` with tied embeddings) are filled through the
         tensor they alias. Official FP8 block-quantized checkpoints (``quantization_config`` in
         ``config.json``) are dequantized slice by slice into the model's dtype (``fp8.py``).
+
+        With ``passthrough`` (the default), checkpoint tensors the model has no parameter for (the
+        DeepSeek-V3 multi-token-prediction layer, any other extra key) are kept, not refused: each
+        rank of ``group`` (default: the world) reads its ``torch.chunk`` slice of dim 0, and the
+        slices are returned in ``LoadReport.passthrough`` and kept in ``self.passthrough``, where the
+        export finds them (docs/design.md#pass-through-tensors). Extra experts of the model's own
+        MoE layers are never passed through: they mean the config is wrong.
         """
         expected = self.hf_metadata(state_dict)
         src = TensorDictSource(source) if isinstance(source, Mapping) else open_source(source)
         try:
-            self._check_source(expected, src, strict=strict, allow_dtype_cast=allow_dtype_cast)
-            return _copy_boxes(list(self._pieces(state_dict)), src)
+            kept = self._check_source(expected, src, strict=strict, allow_dtype_cast=allow_dtype_cast,
+                                      passthrough=passthrough)
+            report = _copy_boxes(list(self._pieces(state_dict)), src)
+            if kept:
+                before = src.bytes_read
+                report.passthrough = read_passthrough(src, kept, group_place(group))
+                report.passthrough_bytes_read = src.bytes_read - before
+            self.passthrough = report.passthrough
+            return report
         finally:
             src.close()
 
     def _check_source(self, expected: dict[str, TensorMeta], src: Any, *, strict: bool,
-                      allow_dtype_cast: bool) -> None:
-        """Refuse, before anything is copied, a checkpoint whose keys, shapes or dtypes do not fit."""
+                      allow_dtype_cast: bool, passthrough: bool = False) -> list[str]:
+        """Refuse, before anything is copied, a checkpoint whose keys, shapes or dtypes do not fit;
+        return the extra keys to pass through."""
         have = src.keys()
         missing = sorted(set(expected) - have)
         if missing:
@@ -365,7 +580,7 @@ class StateDictAdapter:
                 key=missing[0], expected="present", actual=f"missing (all missing: {_preview(missing)})",
                 hint="check that the checkpoint matches the config (expert count, layer count)",
             )
-        extra = sorted(have - set(expected))
+        kept, extra = split_extra_keys(have - set(expected), expected) if passthrough else ([], sorted(have - set(expected)))
         if extra and strict:
             raise ExportInputError(
                 f"{len(extra)} checkpoint keys have no place in the model",
@@ -376,6 +591,7 @@ class StateDictAdapter:
             )
         for key, meta in expected.items():
             _check_stored_tensor(key, meta, src, allow_dtype_cast=allow_dtype_cast)
+        return kept
 
 
 def _check_stored_tensor(key: str, meta: TensorMeta, src: Any, *, allow_dtype_cast: bool) -> None:
@@ -433,23 +649,52 @@ def _target(template: str, m: re.Match[str], expert: int | None) -> str:
     return template.format(**m.groupdict(), expert=expert)
 
 
-def _part_shape(rule: KeyRule, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Global shape of each HF tensor a rule makes from an in-memory tensor of ``shape``."""
-    inner = list(shape[1:] if rule.per_expert else shape)
-    if len(rule.targets) > 1:
-        inner[rule.split_dim] //= len(rule.targets)
-    return tuple(reversed(inner)) if rule.transpose else tuple(inner)
+def _viewed(key: str, box: LocalBox, shape: tuple[int, ...]) -> LocalBox:
+    """``box`` with its (whole) tensor viewed as ``shape``: a view, so loads write through."""
+    if any(box.offsets) or tuple(box.local.shape) != box.global_shape:
+        raise ExportInputError("a tensor the table views as experts must be whole on each rank", key=key,
+                               expected=f"the whole {box.global_shape}",
+                               actual=f"{tuple(box.local.shape)} at {box.offsets}")
+    return dataclasses.replace(box, global_shape=shape, offsets=(0,) * len(shape), local=box.local.view(shape))
 
 
-def _rule_pieces(key: str, rule: KeyRule, m: re.Match[str], box: LocalBox) -> Iterator[HFShard]:
-    """Intersect this rank's box with each HF tensor the rule makes; yield views, not copies."""
+def _interleaved_pieces(key: str, rule: KeyRule, m: re.Match[str], box: LocalBox, groups: int,
+                        sizes: list[int], merge: bool) -> Iterator[HFShard]:
+    """The parts of an interleaved split: target ``i`` is part ``i`` of every group (``sizes[i]``
+    rows of each ``sum(sizes)``-row block), in group order. One view per group, joined into one
+    copy when ``merge`` (a contiguous run of the in-memory dim always lands on a contiguous run of
+    each target)."""
+    d, block = rule.split_dim, sum(sizes)
+    start, stop = box.offsets[d], box.offsets[d] + box.local.shape[d]
+    first = 0
+    for template, size in zip(rule.targets, sizes):
+        runs = []  # (row in the target, view)
+        for g in range(groups):
+            lo, hi = max(g * block + first, start), min(g * block + first + size, stop)
+            if lo < hi:
+                runs.append((g * size + lo - g * block - first, box.local.narrow(d, lo - start, hi - lo)))
+        first += size
+        if merge and len(runs) > 1:
+            runs = [(runs[0][0], torch.cat([view for _, view in runs], dim=d))]
+        shape = tuple(groups * size if k == d else s for k, s in enumerate(box.global_shape))
+        for row, view in runs:
+            if view.numel():
+                offsets = tuple(row if k == d else o for k, o in enumerate(box.offsets))
+                yield HFShard(_target(template, m, None), shape, offsets, view, box.primary, key, None,
+                              box.replica, box.replicas)
+
+
+def _rule_pieces(key: str, rule: KeyRule, m: re.Match[str], box: LocalBox,
+                 experts: tuple[int, ...] | None = None) -> Iterator[HFShard]:
+    """Intersect this rank's box with each HF tensor the rule makes; yield views, not copies.
+    ``experts``: the global ids of the box's experts when the model numbers them (local experts)."""
     if rule.per_expert:
         first = box.offsets[0]
-        items = [(first + i, box.local[i]) for i in range(box.local.shape[0])]
+        items = [(experts[i] if experts else first + i, box.local[i]) for i in range(box.local.shape[0])]
         inner_offsets = box.offsets[1:]
         inner_shape = box.global_shape[1:]
     else:
-        items = [(None, box.local)]
+        items = [(experts[0] if experts else None, box.local)]
         inner_offsets, inner_shape = box.offsets, box.global_shape
     n_parts, d = len(rule.targets), rule.split_dim
     part = inner_shape[d] // n_parts if inner_shape else 0
@@ -470,4 +715,4 @@ def _rule_pieces(key: str, rule: KeyRule, m: re.Match[str], box: LocalBox) -> It
             if rule.transpose:
                 view, offsets, shape = view.t(), tuple(reversed(offsets)), tuple(reversed(shape))
             yield HFShard(_target(template, m, expert), tuple(shape), tuple(offsets), view,
-                          box.primary, key, expert)
+                          box.primary, key, expert, box.replica, box.replicas)

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.safetensors_format import INDEX_FILE, SINGLE_FILE, read_weight_map, torch_dtype
+from nemo_moe_export.safetensors_format import INDEX_FILE, SINGLE_FILE, check_file, read_weight_map, torch_dtype
 
 __all__ = ["SafetensorsSource", "TensorDictSource", "TensorMeta", "box_slices"]
 
@@ -50,12 +50,15 @@ class SafetensorsSource:
         self._files = self._file_of_each_key(os.fspath(path))
 
     def _file_of_each_key(self, path: str) -> dict[str, str]:
+        if not os.path.exists(path):
+            raise ExportInputError("checkpoint not found", key=path,
+                                   expected="a checkpoint directory or a .safetensors file", actual="no such path")
         if not os.path.isdir(path):
             return self._keys_of(path)
         if os.path.exists(os.path.join(path, INDEX_FILE)):
             return {k: os.path.join(path, v) for k, v in read_weight_map(path).items()}
         single = os.path.join(path, SINGLE_FILE)
-        if not os.path.exists(single):
+        if not os.path.lexists(single):
             raise ExportInputError("no safetensors checkpoint found", key=path,
                                    expected=f"{INDEX_FILE} or {SINGLE_FILE}", actual=sorted(os.listdir(path)))
         return self._keys_of(single)
@@ -64,13 +67,29 @@ class SafetensorsSource:
         return {k: file for k in self._handle(file).keys()}
 
     def _handle(self, file: str) -> Any:
+        """The open file, checked first as the library checks it, so a malformed file is an error
+        naming it, the key and the problem rather than the library's own terse message."""
         if file not in self._handles:
-            if not os.path.exists(file):
+            if not os.path.lexists(file):
                 raise ExportInputError(
                     "checkpoint index points at a missing file", key=file, expected="file exists",
                     actual="missing",
                 )
-            self._handles[file] = self._stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            check = check_file(file)
+            if check.problems:
+                more = f" (and {len(check.problems) - 1} more problem(s))" if len(check.problems) > 1 else ""
+                raise ExportInputError(
+                    "malformed safetensors file", key=file, expected="a file the safetensors library can open",
+                    actual=check.problems[0] + more,
+                    hint="re-export or re-copy it; `nemo-moe-export verify DIR` lists every problem",
+                )
+            try:
+                handle = safe_open(file, framework="pt", device="cpu")
+            except (OSError, SafetensorError) as exc:  # a rule check_file does not know: still name the file
+                raise ExportInputError("safetensors cannot open the file", key=file,
+                                       expected="a readable safetensors file", actual=f"{type(exc).__name__}: {exc}",
+                                       ) from exc
+            self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
     def keys(self) -> set[str]:
@@ -84,7 +103,12 @@ class SafetensorsSource:
                 key=key, expected=f"key in {os.path.basename(self._files[key])}", actual="absent",
             )
         sl = handle.get_slice(key)
-        return TensorMeta(tuple(sl.get_shape()), torch_dtype(sl.get_dtype(), key=key))
+        try:
+            dtype = torch_dtype(sl.get_dtype(), key=key)
+        except ExportInputError as exc:  # a format dtype torch cannot hold (F4, F6_*): say where
+            raise ExportInputError(exc.problem, key=key, expected=exc.expected,
+                                   actual=f"{exc.actual} in {self._files[key]}", hint=exc.hint) from None
+        return TensorMeta(tuple(sl.get_shape()), dtype)
 
     def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         handle = self._handle(self._files[key])

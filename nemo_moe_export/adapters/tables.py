@@ -12,6 +12,16 @@ from nemo_moe_export.adapters.engine import KeyRule, ModelTable, expert_rules
 
 _LAYER = r"(?P<prefix>model\.layers\.\d+)"
 
+# What the official FP8 checkpoints (DeepSeek-V3 / Kimi K2, Qwen3 FP8) store block-quantized: the
+# linear weights of attention and MLP, in dense layers, shared and routed experts and the MTP
+# layer's blocks (``model.layers.{num_hidden_layers}``). Embeddings, ``lm_head``, norms, the router
+# (``mlp.gate.weight``, ``e_score_correction_bias``) and the MTP ``eh_proj`` / ``shared_head`` stay as
+# they are. The same modules transformers' FP8 integration swaps for FP8 layers (its ``nn.Linear``
+# modules but ``lm_head``, and the experts); the tests check both.
+_FP8_MLP = r"\.mlp\.(?:shared_experts\.|experts\.\d+\.)?(?:gate_proj|up_proj|down_proj)\.weight$"
+_FP8_MLA = r"\.self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)\.weight$"
+_FP8_GQA = r"\.self_attn\.(?:q_proj|k_proj|v_proj|o_proj)\.weight$"
+
 # DeepSeek-V3 and Kimi K2 (same architecture and key names). Only routed experts change names;
 # shared experts, the router ``gate.weight`` and ``gate.e_score_correction_bias`` keep theirs.
 DEEPSEEK_V3 = ModelTable(
@@ -22,6 +32,7 @@ DEEPSEEK_V3 = ModelTable(
     ),
     num_experts_fields=("n_routed_experts", "num_experts"),
     description="DeepSeek-V3 / Kimi K2: model.layers.L.mlp.experts.E.{gate,up,down}_proj",
+    fp8_weights=(_FP8_MLA, _FP8_MLP),
 )
 
 QWEN3_MOE = ModelTable(
@@ -29,6 +40,7 @@ QWEN3_MOE = ModelTable(
     rules=DEEPSEEK_V3.rules,
     num_experts_fields=("num_experts", "num_local_experts"),
     description="Qwen3-MoE: model.layers.L.mlp.experts.E.{gate,up,down}_proj",
+    fp8_weights=(_FP8_GQA, _FP8_MLP),
 )
 
 # Kimi Linear renames more than experts (transformers' conversion mapping for kimi_linear):

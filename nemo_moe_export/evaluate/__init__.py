@@ -3,7 +3,8 @@
 The task is data (:mod:`.data`, :mod:`.prompts`, :mod:`.scoring`: single-process and
 deterministic, so they can be checked against lm-eval's definition in isolation); the engine runs
 it over any parallel layout, one module per step: :mod:`.prepare` (tokenize and validate),
-:mod:`.planning` (batches and who runs what), :mod:`.runner` (one padded forward),
+:mod:`.prefixes` (the k-shot prefix a subject's rows share), :mod:`.planning` (batches and
+who runs what), :mod:`.runner` (one forward),
 :mod:`.results` (per-question records), driven by :mod:`.evaluator`. :mod:`.options` holds every
 default; :mod:`.callback` wraps the driver for training loops.
 """
@@ -20,7 +21,8 @@ from nemo_moe_export.evaluate.data import (
 )
 from nemo_moe_export.evaluate.evaluator import MMLUStepError, evaluate_mmlu, phase_coordinator
 from nemo_moe_export.evaluate.options import POLICIES, SCORING_MODES, MMLUOptions
-from nemo_moe_export.evaluate.planning import Batch, StepPlan, plan_batches, plan_steps
+from nemo_moe_export.evaluate.planning import Batch, StepPlan, default_tokens_per_batch, plan_batches, plan_steps
+from nemo_moe_export.evaluate.prefixes import SharedPrefix, find_shared_prefixes
 from nemo_moe_export.evaluate.prepare import PreparedQuestions, Row, default_max_length, prepare_questions
 from nemo_moe_export.evaluate.prompts import (
     ANSWER_CONTINUATIONS,
@@ -36,6 +38,7 @@ from nemo_moe_export.evaluate.prompts import (
 from nemo_moe_export.evaluate.results import MMLUResult
 from nemo_moe_export.evaluate.scoring import (
     aggregate,
+    batch_continuation_logprobs,
     continuation_logprob,
     predict,
     question_record,
@@ -53,9 +56,12 @@ __all__ = [
     "PreparedQuestions",
     "Row",
     "SCORING_MODES",
+    "SharedPrefix",
     "StepPlan",
     "default_max_length",
+    "default_tokens_per_batch",
     "evaluate_mmlu",
+    "find_shared_prefixes",
     "phase_coordinator",
     "plan_batches",
     "plan_steps",
@@ -66,6 +72,7 @@ __all__ = [
     "EncodedRequest",
     "Question",
     "aggregate",
+    "batch_continuation_logprobs",
     "build_prompt",
     "category_of",
     "continuation_logprob",

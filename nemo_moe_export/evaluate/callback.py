@@ -15,13 +15,17 @@ On global rank 0 each evaluation writes, into ``output_dir``:
   predictions and scores, the policy, the parallel layout, timing, padding waste, and the history
   of every evaluation so far;
 * ``mmlu_results.md``: the markdown table of :func:`~nemo_moe_export.evaluate.scoring.results_to_markdown`;
-* ``mmlu_categories.png``: a per-category bar chart, only when ``matplotlib`` is importable (it is
-  not a dependency; without it the chart is skipped silently and everything else is written).
+* ``mmlu_categories.png``: per-category accuracy bars; ``mmlu_history.png``: accuracy (overall and
+  per category) over the training steps evaluated so far, with the training loss beside it when
+  the training loop records it in ``ctx.results["train_loss"]`` (``[step, loss]`` pairs, as the
+  recipe's trainer and the Lightning integration do). ``plot=False`` skips both.
 
 It also logs the metrics (``logging``, logger ``nemo_moe_export.evaluate.callback``), shows a
-progress bar (tqdm when importable, plain lines otherwise) and passes the flat metrics to
-``log_fn(metrics, step)`` if given (e.g. a wandb / TensorBoard writer). The flat metrics are also
-returned, on every rank.
+progress bar (tqdm when importable, plain lines otherwise) and passes the flat metrics, with the
+training step, to ``log_fn(metrics, step)`` if given and to every metrics logger added with
+:meth:`MMLUCallback.add_metrics_logger` (the Lightning/NeMo integration adds the trainer's own
+loggers, so TensorBoard or W&B show MMLU next to the loss). The flat metrics are also returned, on
+every rank.
 """
 
 from __future__ import annotations
@@ -49,13 +53,16 @@ from nemo_moe_export.evaluate.scoring import results_to_markdown
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
 
-__all__ = ["MMLUCallback", "spread_subset"]
+__all__ = ["LOSS_HISTORY_KEY", "MMLUCallback", "spread_subset"]
 
 logger = logging.getLogger(__name__)
 
 RESULTS_JSON = "mmlu_results.json"
 RESULTS_MD = "mmlu_results.md"
 CATEGORY_PNG = "mmlu_categories.png"
+HISTORY_PNG = "mmlu_history.png"
+LOSS_HISTORY_KEY = "train_loss"
+"""``ctx.results[LOSS_HISTORY_KEY]``: ``[step, loss]`` pairs a training loop records, charted with the accuracy."""
 
 
 def spread_subset(questions: Sequence[Question], limit: int | None) -> list[Question]:
@@ -104,6 +111,8 @@ class MMLUCallback(Hook):
         self.data_path = Path(data_path)
         self.output_dir = Path(output_dir)
         self.log_fn = log_fn
+        self.metrics_loggers: list[Callable[[dict[str, float], int | None], None]] = []
+        self.loss_history: list[tuple[int, float]] = []  # read from ctx.results[LOSS_HISTORY_KEY]
         self.history: list[dict[str, Any]] = []
         self.last_result: MMLUResult | None = None
         self._last_step: int | None = None  # the step of the last evaluation
@@ -113,6 +122,10 @@ class MMLUCallback(Hook):
         self._coordinators: dict[tuple[int, ...], Coordinator] = {}
 
     # --- hooks (docs/design.md#hooks) -------------------------------------------------------------
+
+    def add_metrics_logger(self, log: Callable[[dict[str, float], int | None], None]) -> None:
+        """``log(flat_metrics, step)`` after every evaluation, on global rank 0 (a framework's logger)."""
+        self.metrics_loggers.append(log)
 
     def should_evaluate(self, step: int) -> bool:
         every = self.options.every_n_steps
@@ -124,6 +137,7 @@ class MMLUCallback(Hook):
         self._seen_step = step
         if not self.should_evaluate(step):
             return
+        self._read_losses(ctx)
         metrics = self.evaluate(ctx.model, ctx.tokenizer, ctx.layout, step=step)
         ctx.results.setdefault("mmlu_during_training", []).append({"step": step, **metrics})
 
@@ -134,8 +148,12 @@ class MMLUCallback(Hook):
             return
         step = self._seen_step
         if not (step is not None and step == self._last_step and self.history):
+            self._read_losses(ctx)
             self.evaluate(ctx.model, ctx.tokenizer, ctx.layout, step=step)
         ctx.results["mmlu"] = self.last_result.metrics
+
+    def _read_losses(self, ctx: RecipeContext) -> None:
+        self.loss_history = [(int(s), float(v)) for s, v in ctx.results.get(LOSS_HISTORY_KEY, ())]
 
     # --- evaluation -------------------------------------------------------------------------------
 
@@ -188,8 +206,8 @@ class MMLUCallback(Hook):
             try:
                 self.write_outputs(result, step)
                 _log_summary(result, step)
-                if self.log_fn is not None:
-                    self.log_fn(metrics, step)
+                for log in ([self.log_fn] if self.log_fn is not None else []) + self.metrics_loggers:
+                    log(metrics, step)
             except Exception as exc:  # reported on every rank by the agreement
                 error = exc
         try:
@@ -198,7 +216,7 @@ class MMLUCallback(Hook):
             raise PeerError(f"MMLU results could not be published: {exc}", step=exc.step, ranks=exc.ranks) from exc
 
     def write_outputs(self, result: MMLUResult, step: int | None) -> dict[str, Path]:
-        """Write the JSON, markdown and (if matplotlib is importable) PNG files; their paths."""
+        """Write the JSON, markdown and (unless ``plot`` is off) PNG files; their paths."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         payload = {
             "step": step, "data_path": str(self.data_path), "split": self.options.split,
@@ -214,8 +232,9 @@ class MMLUCallback(Hook):
                   f"policy `{result.policy}`, {result.timing['questions_per_s']:.1f} questions/s, "
                   f"padding waste {100 * result.padding['waste']:.1f}%\n\n")
         _write_atomic(paths["markdown"], header + results_to_markdown(result.metrics))
-        if self.options.plot and _plot_categories(result.metrics, self.output_dir / CATEGORY_PNG, step):
-            paths["png"] = self.output_dir / CATEGORY_PNG
+        if self.options.plot:
+            paths["png"] = _plot_categories(result.metrics, self.output_dir / CATEGORY_PNG, step)
+            paths["history_png"] = _plot_history(self.history, self.loss_history, self.output_dir / HISTORY_PNG)
         return paths
 
 
@@ -239,15 +258,19 @@ def _log_summary(result: MMLUResult, step: int | None) -> None:
                 overall["n"], cats, result.policy, result.timing["questions_per_s"], 100 * result.padding["waste"])
 
 
-def _plot_categories(metrics: dict[str, Any], path: Path, step: int | None) -> bool:
-    """Per-category accuracy bars; False (nothing written) when matplotlib is not importable."""
-    try:
-        import matplotlib
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (no display on training nodes)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plot_categories(metrics: dict[str, Any], path: Path, step: int | None) -> Path:
+    """Per-category accuracy bars, overall last."""
+    plt = _pyplot()
     names = [*metrics["categories"], "overall"]
     values = [100 * e["acc"] for e in metrics["categories"].values()] + [100 * metrics["overall"]["acc"]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -258,6 +281,42 @@ def _plot_categories(metrics: dict[str, Any], path: Path, step: int | None) -> b
     ax.set_title("MMLU by category" + ("" if step is None else f" (step {step})"))
     ax.legend(loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save_atomic(fig, path)
     plt.close(fig)
-    return True
+    return path
+
+
+def _plot_history(history: Sequence[dict[str, Any]], losses: Sequence[tuple[int, float]], path: Path) -> Path:
+    """Accuracy (overall bold, categories thin) at each evaluated step; the training loss on a
+    second axis. An evaluation without a step (outside training) is drawn at step 0."""
+    plt = _pyplot()
+    steps = [h["step"] or 0 for h in history]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = sorted({k for h in history for k in h["metrics"] if k.endswith("/acc") and k.count("/") == 2})
+    for name in names:
+        ax.plot(steps, [100 * h["metrics"].get(name, float("nan")) for h in history], linewidth=1, marker=".",
+                label=name.split("/")[1])
+    ax.plot(steps, [100 * h["metrics"]["mmlu/acc"] for h in history], color="black", linewidth=2.5, marker="o",
+            label="overall")
+    ax.axhline(25.0, color="tab:red", linestyle="--", linewidth=1)
+    ax.set_ylim(0, 100)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("MMLU accuracy (%)")
+    if losses:
+        loss_ax = ax.twinx()
+        loss_ax.plot([s for s, _ in losses], [v for _, v in losses], color="tab:gray", alpha=0.6, label="train loss")
+        loss_ax.set_ylabel("training loss")
+        loss_ax.legend(loc="upper right")
+    ax.legend(loc="upper left", fontsize="small")
+    ax.set_title("MMLU accuracy" + (" and training loss" if losses else "") + " over steps")
+    fig.tight_layout()
+    _save_atomic(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _save_atomic(fig: Any, path: Path) -> None:
+    """As :func:`_write_atomic`: a dashboard never reads half a PNG."""
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=100, format="png")
+    os.replace(tmp, path)

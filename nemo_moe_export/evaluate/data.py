@@ -19,13 +19,19 @@ alias) and ``test``. ``Question.index`` is the 0-based position of a question wi
 order is part of the benchmark definition.
 
 Every malformed input raises :class:`~nemo_moe_export.errors.ExportInputError` naming the file,
-the line or row, what was expected and what was found.
+the line or row, what was expected and what was found: a byte that is not UTF-8 (file, row and
+byte offset), a file that cannot be read (a directory or a dangling link under a data file's name),
+and a data file with no questions, which would otherwise silently drop its subject from the score
+(``allow_empty_files=True`` makes that a warning; docs/design.md#faults-and-how-each-is-reported).
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
+import io
 import json
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,13 +176,15 @@ def load_mmlu(
     splits: Sequence[str] = ("dev", "test"),
     subjects: Sequence[str] | None = None,
     allow_empty_choices: bool = False,
+    allow_empty_files: bool = False,
 ) -> list[Question]:
     """All questions of ``splits`` (and ``subjects``, if given) found under ``path``.
 
     The layout is detected (see the module docstring). Subjects named in ``subjects`` that are not
     present in every requested split are refused with the list of available ones, so a typo does not
     silently evaluate nothing. Empty choice strings are refused unless ``allow_empty_choices``: in a
-    hand-made file they almost always mean a shifted or missing column.
+    hand-made file they almost always mean a shifted or missing column. A data file without a single
+    question is refused unless ``allow_empty_files`` (then it is a warning naming the file).
     """
     root = Path(path)
     if not root.is_dir():
@@ -186,7 +194,7 @@ def load_mmlu(
         )
     wanted = tuple(dict.fromkeys(normalize_split(s) for s in splits))
     reader = _detect_layout(root)
-    by_split = {split: reader(root, split) for split in wanted}
+    by_split = {split: reader(root, split, allow_empty_files) for split in wanted}
     for split, items in by_split.items():
         for raw in items:
             _check_choices(raw, allow_empty_choices)
@@ -247,7 +255,7 @@ def _check_subjects(subjects: Sequence[str], by_split: dict[str, list[_Raw]]) ->
             )
 
 
-def _detect_layout(root: Path) -> Callable[[Path, str], list[_Raw]]:
+def _detect_layout(root: Path) -> Callable[[Path, str, bool], list[_Raw]]:
     """Return the reader for the layout under ``root`` (see module docstring)."""
     if (root / "dataset_dict.json").is_file() or (root / "state.json").is_file():
         return _read_arrow_split
@@ -272,6 +280,46 @@ def _missing_split(root: Path, split: str, looked_for: str) -> ExportInputError:
     )
 
 
+# --- reading files --------------------------------------------------------------------------------
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes; a directory, dangling link or unreadable file is an error naming it."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        kind = "a dangling symbolic link" if path.is_symlink() and not path.exists() else type(e).__name__
+        raise ExportInputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable file",
+                               actual=f"{kind}: {e.strerror or e}") from e
+
+
+def _decode(path: Path, data: bytes, row_of: Callable[[str], int]) -> str:
+    """``data`` as UTF-8; a byte that is not UTF-8 is an error naming the file, the row (``row_of``
+    the text before it) and the byte offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[: e.start].decode("utf-8")
+        raise ExportInputError(
+            f"non-UTF-8 byte in {path} row {row_of(before)} (line {before.count(chr(10)) + 1})", key=str(path),
+            expected="UTF-8 text", actual=f"byte 0x{data[e.start]:02x} at offset {e.start}",
+            hint="re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
+        ) from None
+
+
+def _require_questions(path: Path, count: int, allow_empty: bool) -> None:
+    """A data file without questions silently drops its subject from the score: refused, or a
+    warning when explicitly allowed."""
+    if count:
+        return
+    message = f"MMLU data file {path} holds no questions"
+    if not allow_empty:
+        raise ExportInputError(message, key=str(path), expected="at least one question", actual="none",
+                               hint="restore the file, remove it, or pass allow_empty_files=True to skip it "
+                                    "with a warning")
+    warnings.warn(message + ": its subject contributes nothing to this split", stacklevel=4)
+
+
 # --- CSV ------------------------------------------------------------------------------------------
 
 
@@ -285,7 +333,7 @@ def _csv_split_dir(root: Path, split: str) -> Path | None:
     return None
 
 
-def _read_csv_split(root: Path, split: str) -> list[_Raw]:
+def _read_csv_split(root: Path, split: str, allow_empty: bool) -> list[_Raw]:
     d = _csv_split_dir(root, split)
     if d is None:
         names = _SPLIT_FILE_NAMES[split]
@@ -293,34 +341,46 @@ def _read_csv_split(root: Path, split: str) -> list[_Raw]:
     suffix = f"_{d.name}.csv"
     rows: list[_Raw] = []
     for f in sorted(d.glob(f"*{suffix}")):
-        rows.extend(_read_csv_file(f, f.name[: -len(suffix)]))
+        found = _read_csv_file(f, f.name[: -len(suffix)])
+        _require_questions(f, len(found), allow_empty)
+        rows.extend(found)
     return rows
+
+
+def _csv_rows_in(text: str) -> int:
+    """The 1-based row (as :func:`_read_csv_file` counts them) in which ``text`` ends."""
+    try:
+        rows = sum(1 for _ in csv.reader(io.StringIO(text, newline="")))
+    except csv.Error:
+        rows = text.count("\n")
+    return rows + 1 if not text or text.endswith(("\n", "\r")) else rows
 
 
 def _read_csv_file(path: Path, subject: str) -> list[_Raw]:
     """Rows of one hendrycks CSV; fields are kept verbatim (no type guessing, no stripping)."""
     out: list[_Raw] = []
-    # utf-8-sig: tolerate a BOM some editors add; it would otherwise end up in the first question.
-    with path.open(newline="", encoding="utf-8-sig") as fh:
-        reader = csv.reader(fh)
-        try:
-            for row_no, row in enumerate(reader, start=1):
-                if not row:  # a blank line; csv gives [] and pandas skips it too
-                    continue
-                where = f"{path} row {row_no} (line {reader.line_num})"
-                if len(row) != 6:
-                    raise ExportInputError(
-                        f"wrong column count in {where}", key=subject,
-                        expected="6 columns: question,A,B,C,D,answer", actual=f"{len(row)}: {row!r}",
-                        hint="fields with commas, quotes or newlines must be double-quoted",
-                    )
-                answer = _parse_answer(row[5], where, subject)
-                out.append(_Raw(subject, row[0], (row[1], row[2], row[3], row[4]), answer, where))
-        except csv.Error as e:
-            raise ExportInputError(
-                f"malformed CSV in {path} near line {reader.line_num}", key=subject,
-                expected="RFC 4180 CSV", actual=str(e),
-            ) from e
+    data = _read_bytes(path)
+    # Tolerate a BOM some editors add; it would otherwise end up in the first question.
+    text = _decode(path, data.removeprefix(codecs.BOM_UTF8), _csv_rows_in)
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        for row_no, row in enumerate(reader, start=1):
+            if not row:  # a blank line; csv gives [] and pandas skips it too
+                continue
+            where = f"{path} row {row_no} (line {reader.line_num})"
+            if len(row) != 6:
+                raise ExportInputError(
+                    f"wrong column count in {where}", key=subject,
+                    expected="6 columns: question,A,B,C,D,answer", actual=f"{len(row)}: {row!r}",
+                    hint="fields with commas, quotes or newlines must be double-quoted",
+                )
+            answer = _parse_answer(row[5], where, subject)
+            out.append(_Raw(subject, row[0], (row[1], row[2], row[3], row[4]), answer, where))
+    except csv.Error as e:
+        raise ExportInputError(
+            f"malformed CSV in {path} near line {reader.line_num}", key=subject,
+            expected="RFC 4180 CSV", actual=str(e),
+        ) from e
     return out
 
 
@@ -338,26 +398,29 @@ def _jsonl_files(root: Path, split: str) -> list[Path]:
     return []
 
 
-def _read_jsonl_split(root: Path, split: str) -> list[_Raw]:
+def _read_jsonl_split(root: Path, split: str, allow_empty: bool) -> list[_Raw]:
     files = _jsonl_files(root, split)
     if not files:
         names = _SPLIT_FILE_NAMES[split]
         raise _missing_split(root, split, " or ".join(f"{n}.jsonl or {n}/*.jsonl" for n in names))
     rows: list[_Raw] = []
     for f in files:
-        with f.open(encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                where = f"{f} line {line_no}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ExportInputError(
-                        f"invalid JSON in {where}", expected="one JSON object per line",
-                        actual=str(e),
-                    ) from e
-                rows.append(_raw_from_record(obj, where))
+        text = _decode(f, _read_bytes(f), lambda before: before.count("\n") + 1)
+        found = []
+        for line_no, line in enumerate(io.StringIO(text, newline=None), start=1):
+            if not line.strip():
+                continue
+            where = f"{f} line {line_no}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ExportInputError(
+                    f"invalid JSON in {where}", expected="one JSON object per line",
+                    actual=str(e),
+                ) from e
+            found.append(_raw_from_record(obj, where))
+        _require_questions(f, len(found), allow_empty)
+        rows.extend(found)
     return rows
 
 
@@ -375,7 +438,7 @@ def _require_pyarrow(what: str) -> Any:
     return pyarrow
 
 
-def _read_parquet_split(root: Path, split: str) -> list[_Raw]:
+def _read_parquet_split(root: Path, split: str, allow_empty: bool) -> list[_Raw]:
     _require_pyarrow(f"parquet MMLU data under {root}")
     import pyarrow.parquet as pq
 
@@ -391,14 +454,16 @@ def _read_parquet_split(root: Path, split: str) -> list[_Raw]:
     rows: list[_Raw] = []
     for f in files:
         default_subject = None if f.parent.name == "all" else f.parent.name
-        for i, rec in enumerate(pq.read_table(f).to_pylist()):
+        records = _read_table(f, pq.read_table, f).to_pylist()
+        _require_questions(f, len(records), allow_empty)
+        for i, rec in enumerate(records):
             if default_subject is not None and not rec.get("subject"):
                 rec = {**rec, "subject": default_subject}
             rows.append(_raw_from_record(rec, f"{f} row {i}"))
     return rows
 
 
-def _read_arrow_split(root: Path, split: str) -> list[_Raw]:
+def _read_arrow_split(root: Path, split: str, allow_empty: bool) -> list[_Raw]:
     """A ``DatasetDict.save_to_disk`` folder: ``{split}/state.json`` lists the ``.arrow`` files."""
     _require_pyarrow(f"the datasets folder {root}")
     import pyarrow as pa
@@ -409,15 +474,38 @@ def _read_arrow_split(root: Path, split: str) -> list[_Raw]:
     )
     if split_dir is None:
         raise _missing_split(root, split, f"{split}/state.json")
-    state = json.loads((split_dir / "state.json").read_text(encoding="utf-8"))
     rows: list[_Raw] = []
-    for entry in state.get("_data_files", []):
-        f = split_dir / entry["filename"]
-        with pa.memory_map(str(f)) as source:
-            table = pa.ipc.open_stream(source).read_all()
+    for f in _arrow_files(split_dir / "state.json"):
+        table = _read_table(f, _read_arrow_stream, pa, f)
+        _require_questions(f, table.num_rows, allow_empty)
         for i, rec in enumerate(table.to_pylist()):
             rows.append(_raw_from_record(rec, f"{f} row {i}"))
     return rows
+
+
+def _arrow_files(state_file: Path) -> list[Path]:
+    """The ``.arrow`` files a ``datasets`` split's ``state.json`` lists; an unreadable one is an error."""
+    try:
+        files = [state_file.parent / e["filename"] for e in json.loads(_read_bytes(state_file))["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ExportInputError(f"unreadable datasets state file {state_file}", key=str(state_file),
+                               expected='{"_data_files": [{"filename": ...}, ...]}',
+                               actual=f"{type(e).__name__}: {e}") from e
+    return files
+
+
+def _read_arrow_stream(pa: Any, path: Path) -> Any:
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_stream(source).read_all()
+
+
+def _read_table(path: Path, read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)`` of a parquet or arrow file; a missing, truncated or foreign file is an error naming it."""
+    try:
+        return read(*args)
+    except Exception as e:  # pyarrow's ArrowInvalid, OSError, ...
+        raise ExportInputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable table file",
+                               actual=f"{type(e).__name__}: {e}") from e
 
 
 # --- shared record parsing ------------------------------------------------------------------------

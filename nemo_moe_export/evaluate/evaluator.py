@@ -17,16 +17,19 @@ The task (MMLU as lm-evaluation-harness defines it: :mod:`.data`, :mod:`.prompts
    lm-eval does and validates the input. Bad input raises
    :class:`~nemo_moe_export.errors.ExportInputError` here, identically on every rank, before any
    collective has started.
-2. **Plan** (:mod:`.planning`, no communication): rows are sorted by length and cut into batches
-   of ``batch_size``; every rank computes the same global plan and derives from it which batch it
-   runs at each step (the sharding policies are described there). A fingerprint of the plan is
-   compared across ranks once, so ranks that read different data fail loudly instead of drifting
-   out of step.
-3. **Forward steps** (:mod:`.runner` runs one batch): every rank runs the same number of steps (a
-   rank without a batch at a step runs a 1-token dummy forward whose result is discarded); each
-   step is closed with :meth:`Coordinator.agree <nemo_moe_export.parallel.Coordinator.agree>`, so
-   a rank that fails or stalls becomes a :class:`~nemo_moe_export.parallel.PeerError` naming the
-   step ("mmlu step 17 of 40") on every rank within ``timeout_s``.
+2. **Plan** (:mod:`.prefixes`, :mod:`.planning`, no communication): each subject's shared k-shot
+   prefix is found in the tokenized rows; rows are sorted by length and cut into batches by a
+   token budget (``tokens_per_batch``) or of ``batch_size`` rows, the rows of a shared prefix
+   into units of one prefix forward and the suffix forwards that continue its cache. Every rank
+   computes the same global plan and derives from it which forward it runs at each step (the
+   sharding policies are described there). A fingerprint of the plan is compared across ranks
+   once, so ranks that read different data fail loudly instead of drifting out of step.
+3. **Forward steps** (:mod:`.runner` runs one forward): every rank runs the same number of steps,
+   one forward each, a prefix forward being a step like any other (a rank without work at a step
+   runs a 1-token dummy forward whose result is discarded); each step is closed with
+   :meth:`Coordinator.agree <nemo_moe_export.parallel.Coordinator.agree>`, so a rank that fails
+   or stalls becomes a :class:`~nemo_moe_export.parallel.PeerError` naming the step ("mmlu step
+   17 of 40") on every rank within ``timeout_s``. Scores stay on the device until the last step.
 4. **Gather** (:mod:`.results`): per-row scores are all-gathered over the data-parallel group;
    every rank assembles the per-question scores in question order and aggregates them with
    :func:`~nemo_moe_export.evaluate.scoring.aggregate`.
@@ -49,6 +52,7 @@ a monitored barrier and a small all-gather (about 7 ms with 4 gloo ranks on 2 bu
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -60,7 +64,15 @@ import torch.distributed as dist
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.evaluate.data import Question
 from nemo_moe_export.evaluate.options import MMLUOptions
-from nemo_moe_export.evaluate.planning import Batch, StepPlan, plan_batches, plan_fingerprint, plan_steps
+from nemo_moe_export.evaluate.planning import (
+    Batch,
+    StepPlan,
+    default_tokens_per_batch,
+    plan_batches,
+    plan_fingerprint,
+    plan_steps,
+)
+from nemo_moe_export.evaluate.prefixes import SharedPrefix, find_shared_prefixes, prefix_multiple
 from nemo_moe_export.evaluate.prepare import (
     PreparedQuestions,
     default_max_length,
@@ -75,12 +87,20 @@ from nemo_moe_export.evaluate.results import (
     scoring_summary,
     timing_summary,
 )
-from nemo_moe_export.evaluate.runner import ForwardRunner, inference, pad_token_id, wants_uniform_shapes
+from nemo_moe_export.evaluate.runner import (
+    ForwardRunner,
+    cache_support,
+    inference,
+    pad_token_id,
+    wants_uniform_shapes,
+)
 from nemo_moe_export.evaluate.scoring import aggregate
-from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout
+from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
 from nemo_moe_export.progress import Progress
 
 __all__ = ["MMLUStepError", "evaluate_mmlu", "phase_coordinator"]
+
+logger = logging.getLogger(__name__)
 
 
 class MMLUStepError(RuntimeError):
@@ -107,7 +127,8 @@ def evaluate_mmlu(
     an unknown or invalid setting raises ``ExportInputError`` before anything runs.
 
     ``model`` is called transformers-style (``model(input_ids=, attention_mask=, use_cache=False,
-    logits_to_keep=) -> .logits``) and may be plain, FSDP2-sharded (``fully_shard``) or
+    logits_to_keep=) -> .logits``; with shared prefixes also ``use_cache=True``, ``position_ids=``
+    and its cache argument, see :mod:`.runner`) and may be plain, FSDP2-sharded (``fully_shard``) or
     expert-parallel (:func:`~nemo_moe_export.expert_parallel.apply_expert_parallel`); every rank of
     ``layout.dp`` (default :func:`~nemo_moe_export.parallel.discover_layout`) must call this with
     the same questions. ``questions`` may be a :class:`PreparedQuestions` from
@@ -125,21 +146,26 @@ def evaluate_mmlu(
     # 1-2. prepare and plan: no communication, so bad input raises here on every rank alike
     prepared = _prepared(model, tokenizer, questions, dev, opts)
     uniform_shapes = wants_uniform_shapes(model) if opts.uniform_shapes is None else opts.uniform_shapes
-    batches = plan_batches(prepared.rows, opts.batch_size)
+    budget = default_tokens_per_batch(model) if opts.tokens_per_batch is None else opts.tokens_per_batch
+    prefixes = _shared_prefixes(model, prepared, opts, uniform_shapes)
+    batches = plan_batches(prepared.rows, opts.batch_size, token_budget=budget, prefixes=prefixes)
     plan = plan_steps(batches, opts.policy, layout, uniform_shapes=uniform_shapes)
     prepared_at = time.perf_counter()
     # the first collective: every rank arrived, with the same plan
     coordinator = coordinator or phase_coordinator(layout, timeout_s=opts.timeout_s, name=name)
     _agree(coordinator, "prepare", None, opts.policy)
     coordinator.require_same("MMLU batch plan", plan_fingerprint(prepared, batches, plan), key="questions",
-                             hint="every rank must evaluate the same questions with the same tokenizer and options")
+                             hint="every rank must evaluate the same questions with the same tokenizer and options "
+                                  "(and, with tokens_per_batch=None, on the same kind of device)")
     # 3. forward steps, each closed by an agreement
-    runner = ForwardRunner(model, prepared.rows, pad_token_id(tokenizer, model_vocab_size(model)), softmax_dtype)
+    runner = ForwardRunner(model, prepared.rows, pad_token_id(tokenizer, model_vocab_size(model)), softmax_dtype,
+                           prefixes)
     with inference(model):
-        row_scores = _run_steps(runner, batches, plan, coordinator, name=name, show_progress=opts.progress)
+        _run_steps(runner, batches, plan, coordinator, name=name, show_progress=opts.progress)
+        row_scores, error = _read_scores(runner)
     forwards_done = time.perf_counter()
     # 4. gather, after an agreement: a rank still stuck in a step is reported, not mismatched
-    _agree(coordinator, "gather", None, opts.policy)
+    _agree(coordinator, "gather", error, opts.policy)
     gathered = coordinator.all_gather((row_scores, runner.tally))
     records = score_records(prepared, _merged(scores for scores, _ in gathered))
     metrics = aggregate((r["subject"], r["correct"]) for r in records)
@@ -148,8 +174,8 @@ def evaluate_mmlu(
         metrics=metrics, records=records, policy=opts.policy, layout=layout_summary(layout),
         timing=timing_summary(started, prepared_at, forwards_done, finished, len(prepared.questions)),
         padding=padding_summary(tally for _, tally in gathered),
-        scoring=scoring_summary(prepared, batch_size=opts.batch_size, batches=len(batches),
-                                uniform_shapes=uniform_shapes),
+        scoring=scoring_summary(prepared, batch_size=opts.batch_size, batches=batches, uniform_shapes=uniform_shapes,
+                                tokens_per_batch=budget, prefixes=prefixes),
         steps=plan.n_steps,
     )
 
@@ -164,6 +190,27 @@ def _prepared(model: Any, tokenizer: Any, questions: Sequence[Question] | Prepar
                              vocab_size=model_vocab_size(model))
 
 
+def _shared_prefixes(model: Any, prepared: PreparedQuestions, opts: MMLUOptions,
+                     uniform_shapes: bool) -> tuple[SharedPrefix, ...]:
+    """The prefixes to share, or none (full prompts, with a log line saying why)."""
+    if not opts.shared_prefix:
+        return ()
+    reason = ("the model needs uniform shapes across ranks" if uniform_shapes else cache_support(model))
+    if reason is not None:
+        if is_global_rank0():
+            logger.warning("MMLU: shared prefixes off, evaluating full prompts: %s", reason)
+        return ()
+    return find_shared_prefixes(prepared, multiple=prefix_multiple(model))
+
+
+def _read_scores(runner: ForwardRunner) -> tuple[dict[int, list[float]], BaseException | None]:
+    """The runner's scores, read from the device once; an error is handed to the gather agreement."""
+    try:
+        return runner.scores(), None
+    except Exception as exc:  # reported to every rank by the agreement
+        return {}, exc
+
+
 def _require_not_options(layout: Any) -> None:
     """Options are the 6th argument; passed 5th they would be taken for the layout."""
     if isinstance(layout, (MMLUOptions, dict)):
@@ -173,25 +220,22 @@ def _require_not_options(layout: Any) -> None:
 
 
 def _run_steps(runner: ForwardRunner, batches: Sequence[Batch], plan: StepPlan, coordinator: Coordinator, *,
-               name: str, show_progress: bool) -> dict[int, list[float]]:
-    """This rank's steps of ``plan``: scores by row id of every row it ran.
+               name: str, show_progress: bool) -> None:
+    """This rank's steps of ``plan``, one forward each; the runner keeps the scores.
 
     A forward's exception is not raised here but handed to the step's agreement, so every rank
     raises together (naming the failed rank and step) instead of the others waiting for it."""
-    scores: dict[int, list[float]] = {}
     with Progress(plan.n_steps, name, enabled=show_progress) as bar:
         for s, batch_id in enumerate(plan.batch_of_step):
             label = f"{s + 1} of {plan.n_steps}"
             error = None
             try:
-                members = () if batch_id is None else batches[batch_id].rows
-                scores.update(runner.run(members, plan.shapes[s] if plan.shapes else None))
+                runner.run(None if batch_id is None else batches[batch_id], plan.shapes[s] if plan.shapes else None)
             except Exception as exc:  # reported to every rank by the agreement below
                 error = MMLUStepError(f"{name} step {label} ({plan.policy}): {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
             _agree(coordinator, label, error, plan.policy)
             bar.update(1)
-    return scores
 
 
 def _merged(per_rank_scores: Iterable[dict[int, list[float]]]) -> dict[int, list[float]]:

@@ -29,7 +29,12 @@ class MMLUOptions(Options):
     what = "MMLU option"
 
     k_shot: int = 5  # lm-eval's MMLU default
-    batch_size: int = 16  # rows per forward
+    # None: batches sized by tokens, the budget derived from the model's device memory
+    # (planning.default_tokens_per_batch); N: at most N tokens attended per forward (rows x (shared
+    # prefix + padded input)); 0: fixed batches of batch_size rows
+    tokens_per_batch: Optional[int] = None
+    batch_size: int = 16  # rows per forward with tokens_per_batch=0
+    shared_prefix: bool = True  # each subject's k-shot prefix once per forward, its KV cache reused
     policy: str = "lockstep"  # lockstep | expert_dp (| naive, evaluate_mmlu only)
     scoring: str = "auto"  # auto | single_token | full
     uniform_shapes: Optional[bool] = None  # None: on for megatron-core modules
@@ -48,6 +53,12 @@ class MMLUOptions(Options):
         _require(isinstance(self.k_shot, int) and self.k_shot >= 0, "k_shot", "an integer >= 0", self.k_shot)
         _require(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", "an integer >= 1",
                  self.batch_size)
+        _require(self.tokens_per_batch is None or (isinstance(self.tokens_per_batch, int)
+                                                    and not isinstance(self.tokens_per_batch, bool)
+                                                    and self.tokens_per_batch >= 0),
+                 "tokens_per_batch", "None (derived from memory), 0 (fixed batches) or an integer >= 1",
+                 self.tokens_per_batch)
+        _require(isinstance(self.shared_prefix, bool), "shared_prefix", "true or false", self.shared_prefix)
         _require(self.policy in POLICIES, "policy", f"one of {list(POLICIES)}", self.policy)
         _require(self.scoring in SCORING_MODES, "scoring", f"one of {list(SCORING_MODES)}", self.scoring)
         _require(self.max_length is None or (isinstance(self.max_length, int) and self.max_length >= 1),

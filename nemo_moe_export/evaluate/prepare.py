@@ -10,9 +10,11 @@ docs/design.md#mmlu-definition).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from nemo_moe_export.errors import ExportInputError
@@ -69,6 +71,14 @@ class PreparedQuestions:
     single_token_questions: int
     full_questions: int
     truncated_questions: int
+
+    @cached_property
+    def digest(self) -> str:
+        """A digest of every row (what is fed and scored), computed once for repeated evaluations."""
+        h = hashlib.sha256(repr((self.max_length, self.k_shot)).encode())
+        for row in self.rows:
+            h.update(repr((row.question, row.choices, row.continuations, row.input_ids)).encode())
+        return h.hexdigest()
 
 
 def default_max_length(model: Any, tokenizer: Any) -> int:

@@ -6,10 +6,12 @@ from the same gathered scores, so every rank returns the same metrics.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nemo_moe_export.evaluate.planning import Batch
+from nemo_moe_export.evaluate.prefixes import SharedPrefix
 from nemo_moe_export.evaluate.prepare import PreparedQuestions
 from nemo_moe_export.evaluate.runner import PaddingTally
 from nemo_moe_export.evaluate.scoring import question_record
@@ -86,12 +88,15 @@ def layout_summary(layout: ParallelLayout) -> dict[str, Any]:
 
 
 def padding_summary(tallies: Iterable[PaddingTally]) -> dict[str, float]:
-    """Tokens fed over all ranks; ``waste`` = padded / fed (dummy forwards included)."""
+    """Tokens fed over all ranks; ``waste`` = padded / fed (dummy forwards included);
+    ``attended_tokens`` adds the cached prefix each suffix row attends."""
     tallies = list(tallies)
     real = sum(t.real_tokens for t in tallies)
     fed = sum(t.fed_tokens for t in tallies)
     return {"real_tokens": real, "fed_tokens": fed, "padded_tokens": fed - real,
-            "waste": (fed - real) / fed if fed else 0.0}
+            "waste": (fed - real) / fed if fed else 0.0,
+            "attended_tokens": sum(t.attended_tokens for t in tallies),
+            "forwards": sum(t.forwards for t in tallies), "prefix_forwards": sum(t.prefix_forwards for t in tallies)}
 
 
 def timing_summary(started: float, prepared_at: float, forwards_done: float, finished: float,
@@ -101,11 +106,16 @@ def timing_summary(started: float, prepared_at: float, forwards_done: float, fin
             "total_s": finished - started, "questions_per_s": n_questions / max(finished - prepared_at, 1e-9)}
 
 
-def scoring_summary(prepared: PreparedQuestions, *, batch_size: int, batches: int,
-                    uniform_shapes: bool) -> dict[str, Any]:
-    """How the questions were scored and batched."""
+def scoring_summary(prepared: PreparedQuestions, *, batch_size: int, batches: Sequence[Batch],
+                    uniform_shapes: bool, tokens_per_batch: int,
+                    prefixes: Sequence[SharedPrefix]) -> dict[str, Any]:
+    """How the questions were scored and batched (``tokens_per_batch`` as resolved: 0 = fixed
+    batches of ``batch_size`` rows)."""
+    shared_rows = sum(len(p.rows) for p in prefixes)
     return {"k_shot": prepared.k_shot, "max_length": prepared.max_length,
             "single_token_questions": prepared.single_token_questions,
             "full_questions": prepared.full_questions,
             "truncated_questions": prepared.truncated_questions, "rows": len(prepared.rows),
-            "batch_size": batch_size, "batches": batches, "uniform_shapes": bool(uniform_shapes)}
+            "batch_size": batch_size, "tokens_per_batch": tokens_per_batch, "batches": len(batches),
+            "prefix_batches": sum(b.kind == "prefix" for b in batches), "shared_prefixes": len(prefixes),
+            "shared_prefix_rows": shared_rows, "uniform_shapes": bool(uniform_shapes)}

@@ -1,21 +1,35 @@
-"""Step 3 of an evaluation, the *forward*: one right-padded batch through the model, scored per row.
+"""Step 3 of an evaluation, the *forward*: one batch of the plan through the model, scored on the device.
 
 :class:`ForwardRunner` knows nothing about ranks or steps (the driver,
-:mod:`~nemo_moe_export.evaluate.evaluator`, decides what runs when); it only turns rows into a
-padded batch, calls the model transformers-style and reads each row's continuation scores.
+:mod:`~nemo_moe_export.evaluate.evaluator`, decides what runs when); it turns one
+:class:`~nemo_moe_export.evaluate.planning.Batch` into model inputs, calls the model
+transformers-style and scores each row. Scores stay on the device until :meth:`ForwardRunner.scores`
+reads them all at once: a step costs no host/device synchronisation of its own.
 
 Padding and exactness
 ---------------------
 Rows are right-padded and each row is read at its own last real positions; with a causal model
 the real positions never see the padding, so padded results equal unpadded ones up to fp32 noise
 (predictions, not raw logits, are what is compared for "identical"). Logits are projected only at
-the positions scored (``logits_to_keep`` with a per-row position tensor), which keeps memory at
-``rows x scored positions x vocab`` instead of ``rows x length x vocab``. ``padding_waste`` =
-padded tokens / all tokens fed (dummy batches included).
+the positions scored, which keeps memory at ``rows x scored positions x vocab``: with a 2-D
+``logits_to_keep`` where transformers takes one (recent 5.x), else by gathering those positions
+in a forward pre-hook of the output embedding (``get_output_embeddings()``), else from the full
+logits. ``padding_waste`` = padded tokens / all tokens fed (dummy forwards included).
+
+Shared prefixes (docs/design.md#shared-prefix-evaluation)
+---------------------------------------------------------
+A prefix batch feeds its prefixes left-padded (position ids count from each prefix's first real
+token, so a linear-attention state starts from zeros untouched by the padding) with
+``use_cache=True`` and keeps the returned cache. A suffix batch copies that cache's rows over its
+own rows (``reorder_cache``: the prefix of each row is copied once, as transformers' cache
+appends the suffix's keys to it), masks the prefix padding, continues the position ids after each
+row's prefix and feeds the row without its prefix. Models whose forward takes no cache argument
+or no ``position_ids`` evaluate full prompts (:func:`cache_support`).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -24,10 +38,12 @@ from typing import Any
 
 import torch
 
+from nemo_moe_export.evaluate.planning import Batch
+from nemo_moe_export.evaluate.prefixes import SharedPrefix
 from nemo_moe_export.evaluate.prepare import Row
-from nemo_moe_export.evaluate.scoring import continuation_logprob
+from nemo_moe_export.evaluate.scoring import batch_continuation_logprobs
 
-__all__ = ["ForwardRunner", "PaddingTally", "inference", "pad_token_id", "wants_uniform_shapes"]
+__all__ = ["ForwardRunner", "PaddingTally", "cache_support", "inference", "pad_token_id", "wants_uniform_shapes"]
 
 
 @dataclass
@@ -36,86 +52,166 @@ class PaddingTally:
 
     real_tokens: int = 0
     fed_tokens: int = 0  # rows x padded length, summed over every forward (dummies included)
+    forwards: int = 0
+    prefix_forwards: int = 0
+    attended_tokens: int = 0  # rows x (cached prefix + padded length): what the attention read
 
-    def add(self, real: int, rows: int, length: int) -> None:
+    def add(self, real: int, rows: int, length: int, context: int = 0) -> None:
         self.real_tokens += real
         self.fed_tokens += rows * length
+        self.attended_tokens += rows * (context + length)
+        self.forwards += 1
 
 
 @dataclass
-class _PaddedBatch:
-    ids: torch.Tensor  # [rows, length], right-padded
-    mask: torch.Tensor  # [rows, length], 1 at real tokens
-    positions: torch.Tensor  # [rows, n_keep]: each row's last n_keep real positions
+class _PrefixCache:
+    """The cache a prefix batch left, for the suffix batches that continue it."""
+
+    batch_id: int
+    cache: Any
+    mask: torch.Tensor  # [prefixes, length], left-padded
+    lengths: torch.Tensor  # [prefixes]
+    slot: dict[int, int]  # prefix_id -> row of the cache
 
 
 class ForwardRunner:
-    """Runs right-padded batches through ``model`` and scores each row's continuations."""
+    """Runs the plan's batches through ``model`` and keeps each row's continuation scores."""
 
-    def __init__(self, model: Any, rows: Sequence[Row], pad_id: int, softmax_dtype: torch.dtype | None) -> None:
+    def __init__(self, model: Any, rows: Sequence[Row], pad_id: int, softmax_dtype: torch.dtype | None,
+                 prefixes: Sequence[SharedPrefix] = ()) -> None:
         self.model, self.rows, self.pad_id, self.softmax_dtype = model, rows, pad_id, softmax_dtype
+        self.prefixes = {p.prefix_id: p for p in prefixes}
+        self.prefix_of_row = {r: p.prefix_id for p in prefixes for r in p.rows}
         self.device = _model_device(model)
         self.tally = PaddingTally()
         params = inspect.signature(model.forward).parameters
         self.keeps_positions = "logits_to_keep" in params
-        self.row_positions = _accepts_row_positions()
+        self.row_positions = self.keeps_positions and _accepts_row_positions()
         self.takes_use_cache = "use_cache" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+        self.cache_kwarg = _cache_kwarg(params)
+        head = getattr(model, "get_output_embeddings", None)
+        self.head = head() if callable(head) else None
+        self._prefix: _PrefixCache | None = None
+        self._scores: list[tuple[tuple[int, ...], torch.Tensor]] = []
 
-    def run(self, members: Sequence[int], shape: tuple[int, int] | None) -> dict[int, list[float]]:
-        """Scores by row id of the ``members`` rows (none for a dummy step: ``members`` empty).
+    def run(self, batch: Batch | None, shape: tuple[int, int] | None) -> None:
+        """One forward: ``batch``, or a dummy (``None``: one token, or ``shape``, result discarded).
 
-        ``shape`` is the ``(rows, length)`` to pad to, or None for the batch's own shape."""
-        rows = [self.rows[i] for i in members]
-        batch = self._pad(rows, shape)
-        logits = self._kept_logits(batch.ids.to(self.device), batch.mask.to(self.device),
-                                   batch.positions.to(self.device))
-        return {row.row_id: [continuation_logprob(logits[i], c, dtype=self.softmax_dtype)
-                             for c in row.continuations] for i, row in enumerate(rows)}
-
-    def _pad(self, rows: Sequence[Row], shape: tuple[int, int] | None) -> _PaddedBatch:
-        """``rows`` right-padded to ``shape``; the padding rows (and a dummy step's one row) get a
-        single real token, so no row is fully masked."""
-        lengths = [len(r.input_ids) for r in rows]
-        n_rows, length = shape if shape is not None else (max(len(rows), 1), max(lengths, default=1))
-        n_keep = max((r.scored_positions for r in rows), default=1)
-        ids = torch.full((n_rows, length), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n_rows, length), dtype=torch.long)
-        mask[len(rows):, 0] = 1
-        positions = torch.zeros((n_rows, n_keep), dtype=torch.long)
-        for i, (row, n) in enumerate(zip(rows, lengths)):
-            ids[i, :n] = torch.tensor(row.input_ids, dtype=torch.long)
-            mask[i, :n] = 1
-            # the row's last n_keep real positions (clamped at 0; the clamped ones are never read)
-            positions[i] = (torch.arange(n - n_keep, n)).clamp(min=0)
-        self.tally.add(sum(lengths), n_rows, length)
-        return _PaddedBatch(ids, mask, positions)
-
-    def _kept_logits(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[rows, n_keep, vocab]`` logits at ``positions`` of each row (projected only there when
-        the model takes ``logits_to_keep``, transformers >= 5)."""
+        ``shape`` is the ``(rows, length)`` to pad a rows batch to, or None for its own shape."""
+        if batch is not None and batch.kind == "prefix":
+            self._run_prefix(batch)
+            return
+        rows = [] if batch is None else [self.rows[i] for i in batch.rows]
+        prefix = self._prefix if batch is not None and batch.kind == "suffix" else None
+        if batch is not None and batch.kind == "suffix" and (prefix is None or prefix.batch_id != batch.after):
+            raise RuntimeError(f"suffix batch {batch.batch_id} needs the cache of prefix batch {batch.after}; plan bug")
+        cut = [self.prefixes[self.prefix_of_row[r.row_id]].length if prefix else 0 for r in rows]
+        ids, mask, positions = self._pad([r.input_ids[c:] for r, c in zip(rows, cut)], rows, shape,
+                                         context=prefix.mask.shape[1] if prefix else 0)
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+        if prefix is not None:
+            kwargs.update(self._continue_from(prefix, rows, mask))
+        logits = self._kept_logits(kwargs, positions)
+        if rows:
+            self._scores.append((tuple(r.row_id for r in rows),
+                                 batch_continuation_logprobs(logits[:len(rows)], [r.continuations for r in rows],
+                                                             dtype=self.softmax_dtype)))
+
+    def scores(self) -> dict[int, list[float]]:
+        """Scores by row id of every row run so far, read from the device at once."""
+        if not self._scores:
+            return {}
+        values = torch.cat([s for _, s in self._scores]).tolist()
+        ids = [r for row_ids, _ in self._scores for r in row_ids]
+        return {r: v[:len(self.rows[r].choices)] for r, v in zip(ids, values)}
+
+    # --- inputs ---------------------------------------------------------------------------------
+
+    def _pad(self, tokens: Sequence[Sequence[int]], rows: Sequence[Row], shape: tuple[int, int] | None, *,
+             context: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``tokens`` right-padded to ``shape`` (ids, mask, each row's last ``n_keep`` positions);
+        padding rows (and a dummy step's one row) get a single real token, so no row is fully masked."""
+        lengths = [len(t) for t in tokens]
+        n_rows, length = shape if shape is not None else (max(len(tokens), 1), max(lengths, default=1))
+        n_keep = max((r.scored_positions for r in rows), default=1)
+        ids = [list(t) + [self.pad_id] * (length - len(t)) for t in tokens]
+        ids += [[self.pad_id] * length] * (n_rows - len(tokens))
+        mask = [[1] * n + [0] * (length - n) for n in lengths] + [[1] + [0] * (length - 1)] * (n_rows - len(tokens))
+        # the row's last n_keep real positions (clamped at 0; the clamped ones are never read)
+        positions = [[max(p, 0) for p in range(n - n_keep, n)] for n in lengths]
+        positions += [[0] * n_keep] * (n_rows - len(tokens))
+        self.tally.add(sum(lengths), n_rows, length, context)
+        return (torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
+                torch.tensor(mask, dtype=torch.long).to(self.device, non_blocking=True),
+                torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True))
+
+    def _run_prefix(self, batch: Batch) -> None:
+        """The prefixes left-padded, their cache kept for the suffix batches that follow."""
+        prefixes = [self.prefixes[p] for p in batch.prefixes]
+        length = batch.length
+        ids = [[self.pad_id] * (length - p.length) + list(p.token_ids) for p in prefixes]
+        mask = [[0] * (length - p.length) + [1] * p.length for p in prefixes]
+        ids_t = torch.tensor(ids, dtype=torch.long).to(self.device)
+        mask_t = torch.tensor(mask, dtype=torch.long).to(self.device)
+        kwargs: dict[str, Any] = {"input_ids": ids_t, "attention_mask": mask_t, "use_cache": True,
+                                  "position_ids": (mask_t.cumsum(1) - 1).clamp(min=0)}
+        if self.keeps_positions:
+            kwargs["logits_to_keep"] = 1
+        self._prefix = None  # the previous unit's cache is no longer needed: free it first
+        out = self.model(**kwargs)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        if cache is None or not hasattr(cache, "reorder_cache"):
+            raise RuntimeError(f"{type(self.model).__name__} returned no reorderable cache from use_cache=True; "
+                               "evaluate with shared_prefix=False")
+        lengths = torch.tensor([p.length for p in prefixes], dtype=torch.long).to(self.device)
+        self._prefix = _PrefixCache(batch.batch_id, cache, mask_t, lengths,
+                                    {p.prefix_id: i for i, p in enumerate(prefixes)})
+        self.tally.add(batch.real_tokens, len(prefixes), length)
+        self.tally.prefix_forwards += 1
+
+    def _continue_from(self, prefix: _PrefixCache, rows: Sequence[Row], mask: torch.Tensor) -> dict[str, Any]:
+        """Cache, mask and position ids that put each row's prefix in front of what it feeds."""
+        slots = [prefix.slot[self.prefix_of_row[r.row_id]] for r in rows]
+        select = torch.tensor(slots, dtype=torch.long).to(self.device)
+        cache = copy.deepcopy(prefix.cache)  # the unit's later batches need the original
+        cache.reorder_cache(select)
+        positions = prefix.lengths.index_select(0, select)[:, None] + torch.arange(mask.shape[1], device=self.device)
+        return {self.cache_kwarg: cache, "use_cache": True, "position_ids": positions,
+                "attention_mask": torch.cat([prefix.mask.index_select(0, select), mask], dim=1)}
+
+    # --- the forward and its logits --------------------------------------------------------------
+
+    def _kept_logits(self, kwargs: dict[str, Any], positions: torch.Tensor) -> torch.Tensor:
+        """``[rows, n_keep, vocab]`` logits at ``positions`` of each row, projected only there when
+        the model lets us (see the module docstring)."""
         if self.takes_use_cache:
-            kwargs["use_cache"] = False
-        if not self.keeps_positions:
-            logits = self.model(**kwargs).logits
-            return torch.take_along_dim(logits, positions.unsqueeze(-1), dim=1)
+            kwargs.setdefault("use_cache", False)
         if self.row_positions:
             logits = self.model(**kwargs, logits_to_keep=positions).logits
+        elif isinstance(self.head, torch.nn.Module):
+            with _gathered_before(self.head, positions):
+                logits = self.model(**kwargs).logits
         else:
-            logits = self._logits_at_shared_positions(kwargs, positions)
+            logits = torch.take_along_dim(self.model(**kwargs).logits, positions.unsqueeze(-1), dim=1)
         if tuple(logits.shape[:2]) != tuple(positions.shape):
-            raise RuntimeError(f"model ignored logits_to_keep positions: logits {tuple(logits.shape)}, "
+            raise RuntimeError(f"model ignored the kept positions: logits {tuple(logits.shape)}, "
                                f"positions {tuple(positions.shape)}")
         return logits
 
-    def _logits_at_shared_positions(self, kwargs: dict[str, Any], positions: torch.Tensor) -> torch.Tensor:
-        """For transformers that take only a 1-D ``logits_to_keep``: project the union of every
-        row's positions once, then let each row pick its own."""
-        union, inverse = torch.unique(positions, return_inverse=True)
-        logits = self.model(**kwargs, logits_to_keep=union).logits
-        if logits.dim() == 3 and logits.shape[1] == union.numel():
-            logits = torch.take_along_dim(logits, inverse.unsqueeze(-1), dim=1)
-        return logits
+
+@contextmanager
+def _gathered_before(head: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
+    """Feed ``head`` (the output embedding) only the hidden states at ``positions`` of each row."""
+
+    def gather(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        return (torch.take_along_dim(hidden, positions.unsqueeze(-1), dim=1), *args[1:])
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager
@@ -128,6 +224,22 @@ def inference(model: Any) -> Iterator[None]:
             yield
     finally:
         model.train(was_training)
+
+
+def cache_support(model: Any) -> str | None:
+    """Why ``model`` cannot evaluate shared prefixes, or None when it can: its forward must take a
+    cache (``cache`` in transformers >= 5.2x, ``past_key_values`` before), ``use_cache`` and
+    ``position_ids``."""
+    params = inspect.signature(model.forward).parameters
+    missing = [name for name, ok in (("cache or past_key_values", _cache_kwarg(params) is not None),
+                                     ("use_cache", "use_cache" in params), ("position_ids", "position_ids" in params))
+               if not ok]
+    return f"{type(model).__name__}.forward takes no {', '.join(missing)}" if missing else None
+
+
+def _cache_kwarg(params: Any) -> str | None:
+    """The name under which this transformers release takes a cache: probed, not read off a version."""
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def _accepts_row_positions() -> bool:

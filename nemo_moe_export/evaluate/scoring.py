@@ -21,6 +21,7 @@ from nemo_moe_export.evaluate.data import CATEGORIES, LETTERS, Question, categor
 
 __all__ = [
     "aggregate",
+    "batch_continuation_logprobs",
     "continuation_logprob",
     "predict",
     "question_record",
@@ -57,6 +58,37 @@ def continuation_logprob(
     logprobs = torch.log_softmax(logits[seq - n : seq], dim=-1, dtype=dtype)
     target = torch.as_tensor(list(continuation), dtype=torch.long, device=logits.device)
     return float(logprobs.gather(1, target.unsqueeze(1)).sum())
+
+
+def batch_continuation_logprobs(
+    logits: torch.Tensor,
+    continuations: Sequence[Sequence[Sequence[int]]],
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`continuation_logprob` of every row and choice of a batch at once, left on the device.
+
+    ``logits`` is ``[rows, n_keep, vocab]``, each row's last ``n_keep`` input positions;
+    ``continuations[i]`` are row ``i``'s continuations (four single tokens, or one multi-token
+    continuation), each scored from the last ``len(continuation)`` of those positions. Returns
+    ``[rows, 4]`` (NaN where a row has fewer choices). The sum over a continuation's tokens is
+    taken in float32 and rounded to the log-softmax dtype once, as ``torch.sum`` does, so values
+    equal :func:`continuation_logprob`'s.
+    """
+    rows, n_keep, _ = logits.shape
+    index: list[tuple[int, int, int, int]] = []  # (row, position, token, output slot)
+    for i, choices in enumerate(continuations):
+        for j, continuation in enumerate(choices):
+            if not 0 < len(continuation) <= n_keep:
+                raise ExportInputError("continuation does not fit the kept logits", key="continuation",
+                                       expected=f"1..{n_keep} tokens", actual=f"{len(continuation)} tokens")
+            index += [(i, n_keep - len(continuation) + t, tok, 4 * i + j) for t, tok in enumerate(continuation)]
+    row, position, token, slot = torch.tensor(index, dtype=torch.long).T.to(logits.device)
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=dtype)
+    picked = logprobs[row, position, token].float()
+    sums = torch.zeros(4 * rows, dtype=torch.float32, device=logits.device).index_add_(0, slot, picked)
+    present = torch.zeros(4 * rows, dtype=torch.bool, device=logits.device).index_fill_(0, slot, True)
+    return sums.to(logprobs.dtype).float().masked_fill(~present, float("nan")).view(rows, 4)
 
 
 def predict(scores: Sequence[float]) -> int:

@@ -19,10 +19,15 @@ import torch
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.options import Options
 
-__all__ = ["FILESYSTEMS", "OVERWRITE_POLICIES", "ExportOptions", "parse_dtype", "parse_size"]
+__all__ = ["FILESYSTEMS", "OVERWRITE_POLICIES", "QUANTIZE_METHODS", "REPLICA_POLICIES", "SCALE_FORMATS", "ExportOptions",
+           "parse_dtype", "parse_size"]
 
 OVERWRITE_POLICIES = ("error", "replace")
 FILESYSTEMS = ("shared", "local")
+REPLICA_POLICIES = ("error", "mean", "rank:N")
+QUANTIZE_METHODS = ("fp8_block",)  # official DeepSeek-V3 FP8: 128x128 blocks, {key}_scale_inv
+SCALE_FORMATS = ("ue8m0",)  # power-of-two scales (DeepSeek-V3.1); None: plain fp32 amax / 448
+_RANK_POLICY = re.compile(r"^rank:(\d+)$")
 
 
 @dataclass
@@ -32,7 +37,14 @@ class ExportOptions(Options):
     ``dtype`` casts floating weights (``keep_dtype`` regexes exempt keys); ``overwrite`` is
     ``"error"`` (refuse an existing target) or ``"replace"`` (swap it atomically);
     ``filesystem="local"`` routes every byte to ``writer_ranks`` (default: the ranks on rank 0's
-    host) for targets other ranks cannot see.
+    host) for targets other ranks cannot see. ``replica_mismatch`` says what happens when replicas
+    of a tensor differ: ``"error"`` refuses the export, ``"mean"`` writes the replicas' mean,
+    ``"rank:N"`` global rank N's copy (docs/design.md#replica-agreement). ``passthrough`` writes
+    the checkpoint tensors ``from_hf`` kept for keys the model has no parameter for
+    (docs/design.md#pass-through-tensors). ``quantize="fp8_block"`` writes the linear weights the
+    model family's table declares (``quantize_keys`` regexes replace that list; ``keep_dtype`` keys
+    are never quantized) in DeepSeek's official FP8 block format, ``scale_fmt="ue8m0"`` with
+    power-of-two scales (docs/design.md#fp8-export).
     """
 
     what = "export option"
@@ -47,6 +59,11 @@ class ExportOptions(Options):
     staging_bytes: int = 64 << 20  # per staging buffer (cast / device-to-host), a multiple of 8
     verify: bool = True  # check the written checkpoint from its bytes before publishing
     timeout_s: float = 600.0  # every agreement between ranks
+    replica_mismatch: str = "error"  # error | mean | rank:N (when replicas of a tensor differ)
+    passthrough: bool = True  # write the tensors from_hf kept that the model has no parameter for
+    quantize: Optional[str] = None  # fp8_block | None (write every weight in its stored dtype)
+    scale_fmt: Optional[str] = None  # ue8m0 | None (fp32 scales amax / 448); with quantize only
+    quantize_keys: Optional[list[str]] = None  # regexes of the HF keys to quantize (None: the table's)
 
     def __post_init__(self) -> None:
         self.keep_dtype = list(self.keep_dtype)
@@ -56,6 +73,16 @@ class ExportOptions(Options):
         parse_size(self.max_shard_size)
         _check_patterns(self.keep_dtype)
         _check_writers(self.writer_ranks, self.writer_threads, self.staging_bytes)
+        if self.quantize_keys is not None and not isinstance(self.quantize_keys, str):
+            self.quantize_keys = list(self.quantize_keys)  # a Hydra ListConfig, a tuple
+        _check_quantize(self.quantize, self.scale_fmt, self.quantize_keys)
+        if self.replica_mismatch not in ("error", "mean") and not _RANK_POLICY.match(str(self.replica_mismatch)):
+            raise ExportInputError("unknown replica_mismatch policy", key="replica_mismatch",
+                                   expected="'error', 'mean' or 'rank:N' (N a global rank)",
+                                   actual=repr(self.replica_mismatch))
+        if not isinstance(self.passthrough, bool):
+            raise ExportInputError("passthrough must be true or false", key="passthrough", expected="a bool",
+                                   actual=repr(self.passthrough))
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ExportInputError("timeout must be positive", key="timeout_s", expected="> 0 seconds",
                                    actual=repr(self.timeout_s))
@@ -64,6 +91,12 @@ class ExportOptions(Options):
     def torch_dtype(self) -> torch.dtype | None:
         """``dtype`` as a torch dtype (None: keep every tensor's own dtype)."""
         return parse_dtype(self.dtype)
+
+    @property
+    def replica_source(self) -> int | None:
+        """N of ``replica_mismatch="rank:N"``, else None."""
+        m = _RANK_POLICY.match(str(self.replica_mismatch))
+        return int(m.group(1)) if m else None
 
 
 def parse_dtype(dtype: Any) -> torch.dtype | None:
@@ -105,13 +138,13 @@ def _check_choice(key: str, value: Any, allowed: tuple[str, ...], problem: str) 
         raise ExportInputError(problem, key=key, expected=allowed, actual=repr(value))
 
 
-def _check_patterns(patterns: list[str]) -> None:
+def _check_patterns(patterns: list[str], key: str = "keep_dtype", example: str = r"[r'\.gate\.weight$']") -> None:
     for pattern in patterns:
         try:
             re.compile(pattern)
         except (re.error, TypeError) as exc:
-            raise ExportInputError("keep_dtype entries must be regular expressions", key="keep_dtype",
-                                   expected="e.g. [r'\\.gate\\.weight$']", actual=f"{pattern!r} ({exc})") from exc
+            raise ExportInputError(f"{key} entries must be regular expressions", key=key,
+                                   expected=f"e.g. {example}", actual=f"{pattern!r} ({exc})") from exc
 
 
 def _check_writers(writer_ranks: Any, writer_threads: Any, staging_bytes: Any) -> None:
@@ -125,3 +158,20 @@ def _check_writers(writer_ranks: Any, writer_threads: Any, staging_bytes: Any) -
             not isinstance(r, int) or r < 0 for r in writer_ranks)):
         raise ExportInputError("writer_ranks must name ranks of the group", key="writer_ranks",
                                expected="None or a non-empty list of ranks", actual=writer_ranks)
+
+
+def _check_quantize(quantize: Any, scale_fmt: Any, quantize_keys: Any) -> None:
+    """``quantize`` is a known method; ``scale_fmt`` and ``quantize_keys`` only come with it."""
+    if quantize is not None:
+        _check_choice("quantize", quantize, QUANTIZE_METHODS, "unknown quantization method")
+    if scale_fmt is not None:
+        _check_choice("scale_fmt", scale_fmt, SCALE_FORMATS, "unknown FP8 scale format")
+    for key, value in (("scale_fmt", scale_fmt), ("quantize_keys", quantize_keys)):
+        if value is not None and quantize is None:
+            raise ExportInputError(f"{key} applies to a quantized export", key=key,
+                                   expected="quantize='fp8_block' beside it", actual=f"quantize=None, {key}={value!r}")
+    if quantize_keys is not None:
+        if isinstance(quantize_keys, str) or not quantize_keys:
+            raise ExportInputError("quantize_keys must be a non-empty list of regexes", key="quantize_keys",
+                                   expected=r"e.g. ['\\.mlp\\.experts\\.']", actual=repr(quantize_keys))
+        _check_patterns(quantize_keys, "quantize_keys", r"['\.mlp\.experts\.']")

@@ -16,15 +16,16 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from nemo_moe_export.adapters import HFShard, TensorMeta
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.layout import get_sharded_expert_range
 from nemo_moe_export.export.options import ExportOptions, parse_size
-from nemo_moe_export.safetensors_format import TensorEntry, dtype_name, encode_header, encode_index
+from nemo_moe_export.safetensors_format import EXPORT_ID_KEY, TensorEntry, dtype_name, encode_header, encode_index
 
 __all__ = [
     "ExportPlan",
@@ -36,6 +37,8 @@ __all__ = [
     "natural_key",
     "parse_size",
     "plan_export",
+    "write_share",
+    "write_shares",
 ]
 
 _FILE_METADATA = {"format": "pt"}  # what save_pretrained writes: transformers reads it as torch weights
@@ -71,6 +74,7 @@ class PlannedFile:
 class ExportPlan:
     files: tuple[PlannedFile, ...]
     tensors: Mapping[str, PlannedTensor]
+    export_id: str | None = None  # the job that writes it, in every header and the index
 
     @property
     def total_tensor_bytes(self) -> int:
@@ -78,7 +82,25 @@ class ExportPlan:
 
     def index_json(self) -> str:
         weight_map = {key: self.tensors[key].file for f in self.files for key in f.keys}
-        return encode_index(weight_map, self.total_tensor_bytes)
+        extra = {EXPORT_ID_KEY: self.export_id} if self.export_id else None
+        return encode_index(weight_map, self.total_tensor_bytes, extra)
+
+    def stamped(self, export_id: str) -> "ExportPlan":
+        """The same layout with ``export_id`` in every file's header metadata, so a directory whose
+        files come from different exports is detected (docs/design.md#export-target-and-concurrent-jobs).
+        A longer header moves the file's data: every offset shifts by the same amount."""
+        metadata = {**_FILE_METADATA, EXPORT_ID_KEY: export_id}
+        files, tensors = [], dict(self.tensors)
+        for f in self.files:
+            old = len(f.header)
+            entries = {k: TensorEntry(dtype_name(self.tensors[k].dtype), self.tensors[k].shape,
+                                      self.tensors[k].data_start - old, self.tensors[k].data_start - old
+                                      + self.tensors[k].nbytes) for k in f.keys}
+            header = encode_header(entries, metadata)
+            shift = len(header) - old
+            tensors.update({k: replace(self.tensors[k], data_start=self.tensors[k].data_start + shift) for k in f.keys})
+            files.append(replace(f, header=header, size=f.size + shift))
+        return ExportPlan(tuple(files), tensors, export_id)
 
     def digest(self) -> str:
         """A fingerprint of the whole layout (file names and headers fix every offset): ranks whose
@@ -101,18 +123,24 @@ def plan_export(
     dtype: torch.dtype | None = None,
     keep_dtype: Sequence[str] = (),
     max_shard_size: int | str = ExportOptions.max_shard_size,
+    keep_float32: Collection[str] = (),
+    keep_exact: Collection[str] = (),
 ) -> ExportPlan:
     """Lay out the checkpoint: files of at most ``max_shard_size`` tensor bytes, keys in natural order.
 
     ``dtype`` casts floating-point tensors (integer and bool tensors are kept exact), except keys
-    matching a regex in ``keep_dtype`` (e.g. routers kept in fp32). A tensor larger than the shard
-    size gets a file of its own, as transformers does.
+    matching a regex in ``keep_dtype`` and the keys in ``keep_exact`` (pass-through tensors), which
+    keep their own dtype, and the keys in ``keep_float32``, which are stored float32 (what
+    transformers keeps in fp32 in a model built in ``dtype``: ``casting.py``). A tensor larger than
+    the shard size gets a file of its own, as transformers does.
     """
     limit = parse_size(max_shard_size)
     if dtype is not None and not dtype.is_floating_point:
         raise ExportInputError("export dtype must be floating point", key="dtype",
                                expected="e.g. torch.bfloat16", actual=dtype)
-    metas = _stored_metas(metadata, dtype, [re.compile(p) for p in keep_dtype])
+    rules = _CastRules(dtype, tuple(re.compile(p) for p in keep_dtype), frozenset(keep_float32),
+                       frozenset(keep_exact))
+    metas = _stored_metas(metadata, rules)
     groups = _pack_into_files(metas, limit)
     files, tensors = [], {}
     for i, keys in enumerate(groups):
@@ -123,16 +151,29 @@ def plan_export(
     return ExportPlan(tuple(files), tensors)
 
 
-def _stored_metas(metadata: Mapping[str, TensorMeta], dtype: torch.dtype | None,
-                  keep: list[re.Pattern[str]]) -> dict[str, TensorMeta]:
+@dataclass(frozen=True)
+class _CastRules:
+    dtype: torch.dtype | None
+    keep: tuple[re.Pattern[str], ...]
+    float32: frozenset[str]
+    exact: frozenset[str]
+
+    def stored_dtype(self, key: str, dtype: torch.dtype) -> torch.dtype:
+        """What ``key``, held in ``dtype``, is written as (docs/design.md#casting-like-transformers)."""
+        if self.dtype is None or not dtype.is_floating_point or key in self.exact:
+            return dtype
+        if any(p.search(key) for p in self.keep):
+            return dtype
+        return torch.float32 if key in self.float32 else self.dtype
+
+
+def _stored_metas(metadata: Mapping[str, TensorMeta], rules: _CastRules) -> dict[str, TensorMeta]:
     """Each key's shape and stored dtype (after the cast), in natural key order."""
     metas: dict[str, TensorMeta] = {}
     for key in sorted(metadata, key=natural_key):
         meta = metadata[key]
         dtype_name(meta.dtype, key=key)  # refuses a dtype safetensors cannot store
-        if dtype is not None and meta.dtype.is_floating_point and not any(p.search(key) for p in keep):
-            meta = TensorMeta(meta.shape, dtype)
-        metas[key] = meta
+        metas[key] = TensorMeta(meta.shape, rules.stored_dtype(key, meta.dtype))
     return metas
 
 
@@ -213,5 +254,41 @@ def check_coverage(plan: ExportPlan, summed_counts: torch.Tensor) -> None:
             f"{len(wrong)} tensors would not be written exactly once", key=keys[first],
             expected=f"{int(expected[first])} elements with one writer each",
             actual=f"{int(summed_counts[first])} written by primaries across ranks",
-            hint="replicated tensors must have a single primary; check the mesh and placements",
+            hint="every element needs exactly one writer: export on every rank that holds a shard "
+                 "(group=), and check the mesh and placements",
         )
+
+
+# --------------------------------------------------------------------------------------------------
+# Write shares: every holder of a replicated piece writes part of it (docs/design.md#replica-agreement)
+# --------------------------------------------------------------------------------------------------
+
+
+def write_share(piece: HFShard) -> HFShard | None:
+    """The part of ``piece`` this rank writes, as the sole writer of that part (``primary``, one
+    replica); None when its part is empty.
+
+    A piece held by ``R`` ranks (``piece.replicas``) is split along its dim 0 by the chunk rule
+    into ``R`` parts and holder ``j`` (``piece.replica``) takes part ``j``, so the holders write
+    about ``1/R`` each and every byte once; a 0-dim piece is written by holder 0. Pure: a function
+    of the piece's box and replica numbers only, so the same code plans any number of ranks.
+    """
+    if piece.replicas == 1:
+        return piece if piece.primary else None
+    shape = tuple(piece.tensor.shape)
+    if not shape:
+        part = piece.tensor if piece.replica == 0 else None
+        start, count = 0, 1
+    else:
+        start, end = get_sharded_expert_range(shape[0], piece.replicas, piece.replica)
+        count = end - start
+        part = piece.tensor.narrow(0, start, count) if count else None
+    if part is None or part.numel() == 0:
+        return None
+    offsets = (piece.offsets[0] + start, *piece.offsets[1:]) if shape else piece.offsets
+    return replace(piece, offsets=tuple(offsets), tensor=part, primary=True, replica=0, replicas=1)
+
+
+def write_shares(pieces: Iterable[HFShard]) -> list[HFShard]:
+    """What this rank writes of its ``pieces``: :func:`write_share` of each, empty ones dropped."""
+    return [share for share in map(write_share, pieces) if share is not None]

@@ -5,14 +5,16 @@ exchange, so a failure or stall on any rank becomes the same clear error on ever
 docs/design.md#coordination-protocol):
 
 1. ``validate``  every rank checks the options, resolves its inputs, builds the plan (pure,
-                 identical everywhere) and its pieces, and the ranks agree; then the plan digests
-                 are compared and the per-key element counts summed across ranks (every element
-                 must have exactly one writer), and the storage writer assigns each file an owner.
-                 Nothing is written until all of this has passed.
+                 identical everywhere) and its write shares (every holder of a replicated piece
+                 writes a part of it), and the ranks agree; then the plan digests are compared,
+                 the per-key element counts summed across ranks (every element must have exactly
+                 one writer), every replicated tensor is compared across its replicas
+                 (``replicas.py``), and the storage writer assigns each file an owner. Nothing is
+                 written until all of this has passed.
 2. ``prepare``   rank 0 creates a fresh temporary sibling directory ``.{name}.partial``.
 3. ``headers``   the owner of each file creates it at full size and writes its header; rank 0
                  writes the index, ``config.json``, the generation config and tokenizer files.
-4. ``write``     the storage writer puts every rank's primary pieces at their final offsets, then
+4. ``write``     the storage writer puts every rank's write shares at their final offsets, then
                  fsyncs.
 5. ``verify``    rank 0 checks the structure from the bytes on disk (``verify_checkpoint``) and
                  fsyncs the directory.
@@ -21,8 +23,10 @@ docs/design.md#coordination-protocol):
 
 On any failure rank 0 removes the temporary directory; the target is never touched until step 6
 (docs/design.md#export-plan-and-invariants). The parts: ``options.py`` (what to write),
-``plan.py`` (where every byte goes, who owns each file, coverage), ``storage.py`` (the shared- or
-local-filesystem writer), ``target.py`` (the directories and the publish), ``verify.py``.
+``casting.py`` (what stays float32, as transformers keeps it), ``plan.py`` (where every byte goes,
+who writes which share, who owns each file, coverage), ``replicas.py`` (replica agreement),
+``storage.py`` (the shared- or local-filesystem writer), ``target.py`` (the directories and the
+publish), ``verify.py``.
 """
 
 from __future__ import annotations
@@ -31,21 +35,25 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from nemo_moe_export.adapters import HFShard, StateDictAdapter, get_adapter
+from nemo_moe_export.adapters.passthrough import extra_metadata, extra_pieces
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions
-from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export
+from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export, write_shares
+from nemo_moe_export.export.quantize import quantization_config, quantize_export
+from nemo_moe_export.export.replicas import ReplicaReport, ReplicaSet, check_replicas, replica_sets, with_copies
 from nemo_moe_export.export.storage import StorageWriter, check_writer_ranks, writer_for
-from nemo_moe_export.export.target import ExportTarget, write_metadata_files
+from nemo_moe_export.export.target import ExportTarget, new_export_id, write_metadata_files
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.export.writer import WriteStats, write_headers
 from nemo_moe_export.hooks import Hook, RecipeContext
-from nemo_moe_export.parallel import Coordinator
+from nemo_moe_export.parallel import Coordinator, PeerError
 
 __all__ = ["ExportResult", "ExportStep", "export_hf_checkpoint"]
 
@@ -62,6 +70,15 @@ class ExportResult:
     # This rank's write step: bytes staged (cast or device-to-host), seconds copying into staging
     # buffers and seconds in pwrite (summed over writer threads), against the step's wall time.
     io: dict[str, float] = field(default_factory=dict)
+    # The replica agreement (part of validate): its seconds on this rank, what it compared (replica
+    # groups, tensors, bytes) and every key it reconciled under replica_mismatch="mean" / "rank:N".
+    replica_seconds: float = 0.0
+    replica_check: dict[str, int] = field(default_factory=dict)
+    reconciled: list[dict[str, Any]] = field(default_factory=list)
+    passthrough_keys: list[str] = field(default_factory=list)  # extra keys written beside the model's
+    # What rank 0 cleaned or replaced around the target (a dead job's lock or partial directory,
+    # the previous checkpoint); also logged as warnings.
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,8 @@ class _Inputs:
     adapter: StateDictAdapter
     tokenizer: Any = None
     generation_config: Any = None
+    model: Any = None
+    extra: Mapping[str, Any] = field(default_factory=dict)  # HF key -> tensor | DTensor | HFShard
 
 
 @dataclass(frozen=True)
@@ -84,9 +103,10 @@ class _Job:
     target: ExportTarget
     inputs: _Inputs
     plan: ExportPlan
-    pieces: list[HFShard]  # this rank's primaries
+    pieces: list[HFShard]  # this rank's write shares
     writer: StorageWriter
     owners: dict[str, int]  # file -> global rank that creates it
+    replicas: ReplicaReport = field(default_factory=ReplicaReport)
 
     @property
     def on_rank0(self) -> bool:
@@ -141,12 +161,16 @@ def export_hf_checkpoint(
     tokenizer: Any = None,
     generation_config: Any = None,
     group: Any = None,
+    extra: Mapping[str, Any] | None = None,
     **overrides: Any,
 ) -> ExportResult:
     """Export a (possibly sharded) model to a Hugging Face checkpoint; call on every rank of ``group``.
 
     Pass ``model`` (a transformers model, sharded or not) or ``state_dict`` + ``config``. No rank
-    gathers the model: each writes its own shards into the final files. ``options`` (an
+    gathers the model: each writes its own shards into the final files. ``extra`` adds tensors
+    that live outside the model's state dict, under their HF names and in their own dtype: the
+    slices ``from_hf`` kept (``LoadReport.passthrough``; an adapter that loaded them adds its own),
+    or plain tensors / DTensors (docs/design.md#pass-through-tensors). ``options`` (an
     :class:`ExportOptions`, a mapping or a config node) and ``overrides`` (its fields, e.g.
     ``dtype="bfloat16"``, ``overwrite="replace"``) say how; invalid ones are refused on every rank
     before anything is written. Runs validate -> prepare -> headers -> write -> verify -> publish
@@ -156,7 +180,7 @@ def export_hf_checkpoint(
     options, refused = _options_or_refusal(options, overrides)
     steps = _Steps(Coordinator(group, timeout_s=options.timeout_s, name="export"))
     given = dict(model=model, state_dict=state_dict, config=config, adapter=adapter, tokenizer=tokenizer,
-                 generation_config=generation_config)
+                 generation_config=generation_config, extra=extra)
     job = _validate(steps, output_dir, options, refused, given)
     try:
         _prepare(steps, job)
@@ -164,11 +188,15 @@ def export_hf_checkpoint(
         stats = _write(steps, job)
         _verify(steps, job)
         _publish(steps, job)
-    except BaseException:
-        if job.on_rank0:
+    except BaseException as exc:
+        if job.on_rank0 or _rank0_lost(exc):  # rank 0 cleans up; if it died, its survivors do
             job.target.discard()
         raise
     return _result(job, stats, steps.seconds, started)
+
+
+def _rank0_lost(exc: BaseException) -> bool:
+    return isinstance(exc, PeerError) and 0 in exc.ranks
 
 
 def _options_or_refusal(options: Any, overrides: dict[str, Any]) -> tuple[ExportOptions, Exception | None]:
@@ -189,20 +217,66 @@ def _validate(steps: _Steps, output_dir: Any, options: ExportOptions, refused: E
         with steps.agreed("validate"):
             if refused is not None:
                 raise refused
-            target, inputs, plan, pieces = _plan_locally(coordinator, output_dir, options, _resolve_inputs(**given))
-            counts = element_counts(plan, pieces)
+            local = _plan_locally(coordinator, output_dir, options, _resolve_inputs(**given))
+            counts = element_counts(local.plan, local.shares)
         # Collectives only after the agreement (a peer that failed alone would leave us waiting);
         # their inputs are gathered, so every rank reaches the same verdict and raises the same error.
+        plan = local.plan
         coordinator.require_same("export plans", plan.digest(), key="plan",
                                  hint="every rank must export the same model with the same options")
         check_coverage(plan, coordinator.all_reduce_sum(counts))
+        inputs, shares, replicas = _agree_replicas(steps, local, options)
         writer = writer_for(options, coordinator)
-    return _Job(coordinator, options, target, inputs, plan, pieces, writer, writer.file_owners(plan))
+        # FP8: the quantized plan, scales and writer (docs/design.md#fp8-export); else unchanged.
+        plan, shares, writer = quantize_export(steps, options, inputs.adapter, plan, shares, writer)
+        # One name for this job on every rank: its own partial directory, and its lock
+        # (docs/design.md#export-target-and-concurrent-jobs).
+        export_id = coordinator.all_gather(new_export_id())[0]
+        target, plan = local.target.for_job(export_id), plan.stamped(export_id)
+    return _Job(coordinator, options, target, inputs, plan, shares, writer, writer.file_owners(plan), replicas)
+
+
+@dataclass(frozen=True)
+class _LocalPlan:
+    """What each rank works out alone in validate, before the checks across ranks."""
+
+    target: ExportTarget
+    inputs: _Inputs
+    plan: ExportPlan
+    shares: list[HFShard]  # what this rank writes
+    replica_sets: list[ReplicaSet]
+    replicated: dict[str, torch.Tensor]  # the tensors the replica check compares, by name
+
+
+def _agree_replicas(steps: _Steps, local: _LocalPlan, options: ExportOptions
+                    ) -> tuple[_Inputs, list[HFShard], ReplicaReport]:
+    """Compare every replicated tensor across its replicas (docs/design.md#replica-agreement); with
+    a reconciling policy, rebuild the inputs and shares from the reconciled copies."""
+    failure: list[ExportInputError] = []
+    with steps.agreed("validate replicas"):  # a transport failure in one group reaches every rank
+        try:
+            current, report = check_replicas(local.replica_sets, local.replicated, steps.coordinator,
+                                             options.replica_mismatch)
+        except ExportInputError as exc:  # the same verdict on every rank: raised as itself below
+            failure.append(exc)
+    if failure:
+        raise failure[0]
+    if not report.reconciled:
+        return local.inputs, local.shares, report
+    inputs = _with_reconciled(local.inputs, current)
+    return inputs, _write_shares_of(inputs, steps.coordinator), report
+
+
+def _with_reconciled(inputs: _Inputs, current: Mapping[str, torch.Tensor]) -> _Inputs:
+    state_dict = with_copies(inputs.state_dict, current)
+    extra = {k: current.get(k, v) if torch.is_tensor(v) else v for k, v in inputs.extra.items()}
+    return replace(inputs, state_dict=state_dict, extra=extra)
 
 
 def _resolve_inputs(model: Any, state_dict: Mapping[str, torch.Tensor] | None, config: Any,
-                    adapter: StateDictAdapter | None, tokenizer: Any, generation_config: Any) -> _Inputs:
-    """The state dict, HF config and adapter to export, from a model or given directly."""
+                    adapter: StateDictAdapter | None, tokenizer: Any, generation_config: Any,
+                    extra: Mapping[str, Any] | None) -> _Inputs:
+    """The state dict, HF config, adapter and extra tensors to export, from a model or given directly."""
     if state_dict is None:
         if model is None:
             raise ExportInputError("nothing to export", key="model", expected="a model or a state_dict",
@@ -213,19 +287,63 @@ def _resolve_inputs(model: Any, state_dict: Mapping[str, torch.Tensor] | None, c
         raise ExportInputError("no HF config", key="config", expected="model.config or config=", actual=None)
     if generation_config is None and model is not None and getattr(model, "can_generate", lambda: False)():
         generation_config = getattr(model, "generation_config", None)
-    return _Inputs(state_dict, config, adapter or get_adapter(config), tokenizer, generation_config)
+    adapter = adapter or get_adapter(config)
+    return _Inputs(state_dict, config, adapter, tokenizer, generation_config, model, dict(extra or {}))
 
 
-def _plan_locally(coordinator: Coordinator, output_dir: Any, options: ExportOptions, inputs: _Inputs
-                  ) -> tuple[ExportTarget, _Inputs, ExportPlan, list[HFShard]]:
-    """Rank-local part of validate: the target may be written, the plan, this rank's primary pieces."""
+def _plan_locally(coordinator: Coordinator, output_dir: Any, options: ExportOptions, inputs: _Inputs) -> _LocalPlan:
+    """Rank-local part of validate: the target may be written, the plan, this rank's write shares
+    and its replica groups."""
     check_writer_ranks(options, coordinator)
+    _check_replica_source(options, coordinator)
     target = ExportTarget.at(output_dir)
     target.check(options.overwrite)
-    plan = plan_export(inputs.adapter.hf_metadata(inputs.state_dict), dtype=options.torch_dtype,
-                       keep_dtype=options.keep_dtype, max_shard_size=options.max_shard_size)
-    pieces = [p for p in inputs.adapter.to_hf(inputs.state_dict).values() if p.primary]
-    return target, inputs, plan, pieces
+    if options.passthrough:  # what the adapter's from_hf kept, unless handed explicitly
+        inputs = replace(inputs, extra={**inputs.adapter.passthrough, **inputs.extra})
+    extras = extra_pieces(inputs.extra, _plain_replica(coordinator))
+    sources = inputs.adapter.hf_source_keys(inputs.state_dict)
+    dtype = options.torch_dtype
+    plan = plan_export(_all_metadata(inputs, extras), dtype=dtype, keep_dtype=options.keep_dtype,
+                       max_shard_size=options.max_shard_size, keep_exact=set(extras),
+                       keep_float32=float32_keys(fp32_patterns(dtype, inputs.model, inputs.config), sources))
+    replicated = {name: inputs.state_dict[name] for name in set(sources.values())}
+    replicated.update({k: v for k, v in inputs.extra.items() if torch.is_tensor(v)})
+    return _LocalPlan(target, inputs, plan, _write_shares_of(inputs, coordinator, extras),
+                      replica_sets(replicated, coordinator), replicated)
+
+
+def _plain_replica(coordinator: Coordinator) -> tuple[int, int]:
+    """A plain tensor sits on every rank of the export group: this rank's place among its holders."""
+    return coordinator.rank, max(coordinator.world_size, 1)
+
+
+def _write_shares_of(inputs: _Inputs, coordinator: Coordinator, extras: dict[str, HFShard] | None = None
+                     ) -> list[HFShard]:
+    """What this rank writes: its share of every piece of the model and of the extra tensors."""
+    place = _plain_replica(coordinator)
+    extras = extra_pieces(inputs.extra, place) if extras is None else extras
+    pieces = [*inputs.adapter.to_hf(inputs.state_dict, plain_replica=place).values(), *extras.values()]
+    return write_shares(pieces)
+
+
+def _all_metadata(inputs: _Inputs, extras: dict[str, HFShard]) -> dict[str, Any]:
+    """The model's HF tensors and the extra ones; an extra tensor may not take a model tensor's name."""
+    metadata = inputs.adapter.hf_metadata(inputs.state_dict)
+    for key in extras:
+        if key in metadata or key in inputs.state_dict:
+            raise ExportInputError("an extra tensor has the name of a model tensor", key=key,
+                                   expected="a name the model does not write", actual="a model tensor's name",
+                                   hint="pass extra tensors only for keys outside the model's state dict")
+    return {**metadata, **extra_metadata(extras)}
+
+
+def _check_replica_source(options: ExportOptions, coordinator: Coordinator) -> None:
+    """``replica_mismatch="rank:N"`` names a rank of the export group (rank-local: same verdict everywhere)."""
+    source = options.replica_source
+    members = [coordinator.global_rank(r) for r in range(max(coordinator.world_size, 1))]
+    if source is not None and source not in members:
+        raise ExportInputError("replica_mismatch names a rank outside the export group", key="replica_mismatch",
+                               expected=f"rank:N with N in {members}", actual=repr(options.replica_mismatch))
 
 
 def _prepare(steps: _Steps, job: _Job) -> None:
@@ -242,7 +360,7 @@ def _write_headers(steps: _Steps, job: _Job) -> None:
         if job.on_rank0:
             inputs = job.inputs
             write_metadata_files(job.target.partial, job.plan, inputs.config, job.options.torch_dtype,
-                                 inputs.generation_config, inputs.tokenizer)
+                                 inputs.generation_config, inputs.tokenizer, quantization_config(job.options))
 
 
 def _write(steps: _Steps, job: _Job) -> WriteStats:
@@ -275,6 +393,10 @@ def _result(job: _Job, stats: WriteStats, step_seconds: dict[str, float], starte
         path=job.target.path, files=len(job.plan.files), tensors=len(job.plan.tensors),
         checkpoint_bytes=job.plan.total_tensor_bytes, rank_bytes_written=stats.bytes_written,
         seconds=round(time.perf_counter() - started, 4), step_seconds=step_seconds, io=stats.as_io(),
+        notes=list(job.target.notes),
+        replica_seconds=job.replicas.seconds, reconciled=job.replicas.reconciled,
+        replica_check=dict(groups=job.replicas.groups, tensors=job.replicas.tensors, bytes=job.replicas.bytes_checked),
+        passthrough_keys=sorted(job.inputs.extra),
     )
 
 

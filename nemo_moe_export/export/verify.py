@@ -11,6 +11,14 @@ and the index and reports every problem it finds:
 * no fused expert tensor sits beside per-expert keys of the same layer;
 * every MoE layer has experts ``0 .. E-1`` with E from ``config.json``, each with the same
   projections; no ``lm_head.weight`` when the config ties word embeddings;
+* FP8 block format: every ``float8_e4m3fn`` weight is 2-D with a ``{key}_scale_inv`` of shape
+  ``[ceil(out / b0), ceil(in / b1)]`` in F32 or BF16 (F8_E8M0 with ``scale_fmt: ue8m0``), every
+  scale has its FP8 weight, and ``config.json`` declares a ``quantization_config`` our loader reads
+  exactly when the checkpoint holds FP8 tensors;
+* optionally (``tp``), the serve check: for each tensor-parallel size, every quantized weight's
+  per-shard width along its split dim is a whole number of blocks (vLLM and SGLang refuse to load
+  it otherwise), and the MTP layer is there when ``num_nextn_predict_layers`` says so
+  (docs/design.md#fp8-export);
 * optionally, every tensor equals a reference checkpoint or state dict.
 
 :func:`compare_with_shards` is the distributed equality check: every rank compares the parts of
@@ -24,7 +32,7 @@ import json
 import os
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,13 +40,15 @@ import torch
 from safetensors import safe_open
 
 from nemo_moe_export.adapters import SafetensorsSource, get_adapter
+from nemo_moe_export.adapters.fp8 import FP8_BLOCK, SCALE_SUFFIX, fp8_block_size
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.safetensors_format import (
+    EXPORT_ID_KEY,
     INDEX_FILE,
     SINGLE_FILE,
     SUFFIX,
-    SafetensorsHeader,
     TensorEntry,
+    check_file,
     read_header,
     read_weight_map,
 )
@@ -72,55 +82,13 @@ class VerifyReport:
 
 
 def _read_header(path: str, report: VerifyReport) -> dict | None:
-    """The file's tensor entries by key (malformed ones included, as stored), after checking that
-    they tile the data region; None, with the problem reported, when the header is unreadable."""
-    name = os.path.basename(path)
-    try:
-        header = read_header(path)
-    except ExportInputError as exc:
-        report.problems.append(f"{name}: {exc.problem} (expected {exc.expected}, found {exc.actual})")
-        return None
-    spans = []
-    for key in header.keys():
-        entry = _checked_entry(name, key, header, report)
-        if entry is not None:
-            spans.append((entry.start, entry.end, key))
-    _check_tiling(name, sorted(spans), os.path.getsize(path) - header.data_start, report)
-    report.tensor_bytes += sum(e - s for s, e, _ in spans)
-    return header.raw
-
-
-def _checked_entry(name: str, key: str, header: SafetensorsHeader, report: VerifyReport) -> TensorEntry | None:
-    """The parsed entry of ``key``, or None with the problem reported; a span that disagrees with
-    dtype x shape is reported but the entry still counts for the tiling."""
-    try:
-        entry = header.entry(key)
-    except ExportInputError:
-        report.problems.append(f"{name}: key '{key}' has a malformed entry {header.raw[key]}")
-        return None
-    expected = entry.expected_nbytes
-    if expected is None:
-        report.problems.append(f"{name}: key '{key}' ({entry.dtype} {list(entry.shape)}) does not end on a "
-                               f"byte boundary")
-    elif entry.nbytes != expected:
-        report.problems.append(f"{name}: key '{key}' spans {entry.nbytes} bytes, expected {expected} "
-                               f"for {entry.dtype} {list(entry.shape)}")
-    return entry
-
-
-def _check_tiling(name: str, spans: list[tuple[int, int, str]], data: int, report: VerifyReport) -> None:
-    """Sorted ``(start, end, key)`` spans must cover the ``data`` bytes exactly: no overlap, no gap."""
-    cursor = 0
-    for start, end, key in spans:
-        if start < cursor:
-            report.problems.append(f"{name}: key '{key}' at bytes [{start}, {end}) overlaps the previous tensor "
-                                   f"(which ends at {cursor})")
-        elif start > cursor:
-            report.problems.append(f"{name}: gap of {start - cursor} bytes before key '{key}' at {start}")
-        cursor = max(cursor, end)
-    if cursor != data:
-        report.problems.append(f"{name}: tensors end at data byte {cursor} but the file holds {data} data bytes "
-                               f"({'truncated' if cursor > data else 'trailing bytes'})")
+    """The file's tensor entries by key (malformed ones included, as stored), after checking the
+    file the way the safetensors library does (``check_file``); None, with the problem reported,
+    when the file or its header is unreadable."""
+    check = check_file(path)
+    report.problems += check.problems
+    report.tensor_bytes += sum(e.nbytes for e in check.entries.values())
+    return check.header.raw if check.header is not None else None
 
 
 def _expert_checks(keys: list[str], config: Mapping | None, report: VerifyReport) -> None:
@@ -133,10 +101,7 @@ def _expert_checks(keys: list[str], config: Mapping | None, report: VerifyReport
         m = _FUSED.match(key)
         if m and m["layer"] in experts:
             report.problems.append(f"stale fused expert key '{key}' beside per-expert keys of {m['layer']}")
-    expected = None
-    if config is not None:
-        text = config.get("text_config", config)
-        expected = next((text[f] for f in _NUM_EXPERTS_FIELDS if text.get(f) is not None), None)
+    expected = _expert_count(config, report) if config is not None else None
     for layer, by_id in sorted(experts.items()):
         ids = sorted(by_id)
         if expected is not None and ids != list(range(expected)):
@@ -150,6 +115,20 @@ def _expert_checks(keys: list[str], config: Mapping | None, report: VerifyReport
             report.problems.append(f"{layer}: experts differ in their projections {sorted(map(sorted, projections))}")
     if config is not None and config.get("tie_word_embeddings") and any(k.endswith("lm_head.weight") for k in keys):
         report.problems.append("config ties word embeddings but the checkpoint also stores lm_head.weight")
+
+
+def _expert_count(config: Mapping, report: VerifyReport) -> int | None:
+    """The routed expert count ``config.json`` declares (None if it declares none)."""
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else config
+    field_name = next((f for f in _NUM_EXPERTS_FIELDS if text.get(f) is not None), None)
+    if field_name is None:
+        return None
+    value = text[field_name]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        report.problems.append(f"config.json: {field_name} is {value!r}, expected an integer >= 0")
+        return None
+    return value
 
 
 def _compare(path: str, where: dict[str, str], reference, report: VerifyReport) -> None:
@@ -184,9 +163,10 @@ def _compare(path: str, where: dict[str, str], reference, report: VerifyReport) 
             source.close()
 
 
-def verify_checkpoint(path: str | os.PathLike[str], reference=None) -> VerifyReport:
+def verify_checkpoint(path: str | os.PathLike[str], reference=None, *, tp: Sequence[int] | None = None) -> VerifyReport:
     """Verify the checkpoint in ``path``; ``reference`` (a checkpoint dir or ``{key: tensor}``) adds a
-    tensor-by-tensor comparison. Returns a report; ``report.ok`` is False on any problem."""
+    tensor-by-tensor comparison, ``tp`` (tensor-parallel sizes) the serve check. Returns a report;
+    ``report.ok`` is False on any problem."""
     path = os.fspath(path)
     report = VerifyReport(path)
     if not os.path.isdir(path):
@@ -201,10 +181,44 @@ def verify_checkpoint(path: str | os.PathLike[str], reference=None) -> VerifyRep
     where = _stored_keys(path, files, report)
     if index is not None:
         _check_index(index, where, files, report)
-    _expert_checks(sorted(where), _read_config(path, report), report)
+    _same_export(path, files, report)
+    config = _read_config(path, report)
+    _expert_checks(sorted(where), config, report)
+    entries = _stored_entries(path, where)
+    block = _fp8_checks(path, entries, config, report)
+    if tp:
+        _serve_checks(entries, block or FP8_BLOCK, config or {}, tp, report)
     if reference is not None and report.ok:
         _compare(path, where, reference, report)
     return report
+
+
+def _same_export(path: str, files: list[str], report: VerifyReport) -> None:
+    """Every file and the index that name an export job name the same one
+    (docs/design.md#export-target-and-concurrent-jobs): a directory mixing two exports' files is a
+    problem even when each file is well formed."""
+    writers: dict[str | None, list[str]] = defaultdict(list)
+    for name in files:
+        try:
+            metadata = read_header(os.path.join(path, name)).metadata or {}
+        except (ExportInputError, OSError):
+            continue  # an unreadable header is reported by _stored_keys
+        writers[metadata.get(EXPORT_ID_KEY)].append(name)
+    writers[_index_export_id(path)].append(INDEX_FILE)
+    writers.pop(None, None)  # files written by other tools carry no id: nothing to compare
+    if len(writers) > 1:
+        found = "; ".join(f"{job}: {', '.join(names)}" for job, names in writers.items())
+        report.problems.append(f"the files come from different exports ({found}): another job wrote into "
+                               "this directory; export again")
+
+
+def _index_export_id(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, INDEX_FILE)) as f:
+            metadata = json.load(f).get("metadata", {})
+        return metadata.get(EXPORT_ID_KEY) if isinstance(metadata, dict) else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _read_index(path: str, files: list[str], report: VerifyReport) -> dict[str, str] | None:
@@ -214,7 +228,7 @@ def _read_index(path: str, files: list[str], report: VerifyReport) -> dict[str, 
         try:
             return read_weight_map(path)
         except ExportInputError as exc:
-            report.problems.append(f"{INDEX_FILE}: unreadable ({exc.actual})")
+            report.problems.append(f"{INDEX_FILE}: unreadable (expected {exc.expected}, found {exc.actual})")
     elif len(files) > 1 or files[0] != SINGLE_FILE:
         report.problems.append(f"{INDEX_FILE} is missing: transformers cannot map keys to {files}")
     return None
@@ -248,12 +262,21 @@ def _check_index(index: dict[str, str], where: dict[str, str], files: list[str],
 
 
 def _read_config(path: str, report: VerifyReport) -> dict | None:
+    """``config.json`` as a dict; None, with the problem reported, when it is missing or unreadable."""
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         report.problems.append("config.json is missing")
         return None
-    with open(config_path) as f:
-        return json.load(f)
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        report.problems.append(f"config.json: unreadable ({type(exc).__name__}: {exc})")
+        return None
+    if not isinstance(config, dict):
+        report.problems.append(f"config.json: not a JSON object (found {type(config).__name__})")
+        return None
+    return config
 
 
 def compare_with_shards(path: str | os.PathLike[str], model: Any = None, *,
@@ -289,3 +312,140 @@ def compare_with_shards(path: str | os.PathLike[str], model: Any = None, *,
     finally:
         source.close()
     return report
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8 block format and the serve check (docs/design.md#fp8-export)
+# --------------------------------------------------------------------------------------------------
+
+_FP8 = "F8_E4M3"
+_SCALE_DTYPES = ("F32", "BF16")
+# How vLLM and SGLang split each quantized projection over tensor-parallel ranks: column-parallel
+# weights by output rows (dim 0), row-parallel ones by input columns (dim 1); ``q_a_proj`` and
+# ``kv_a_proj_with_mqa`` are replicated. Routed experts' gate/up width is checked at tp=1 too: their
+# FP8 MoE layer requires ``intermediate_size_per_partition % block_n == 0`` at any tp.
+_TP_COLUMN = re.compile(r"\.(gate_proj|up_proj|w1|w3|q_proj|k_proj|v_proj|q_b_proj|kv_b_proj)\.weight$")
+_TP_ROW = re.compile(r"\.(down_proj|w2|o_proj)\.weight$")
+_KV = re.compile(r"\.(k_proj|v_proj)\.weight$")
+_MTP_MODULES = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # what only an MTP layer has
+
+
+def _stored_entries(path: str, where: dict[str, str]) -> dict[str, TensorEntry]:
+    """Each stored key's header entry (dtype, shape); unreadable ones were reported already."""
+    out: dict[str, TensorEntry] = {}
+    for name in sorted(set(where.values())):
+        try:
+            header = read_header(os.path.join(path, name))
+        except (ExportInputError, OSError):
+            continue
+        for key in header.keys():
+            try:
+                out[key] = header.entry(key)
+            except ExportInputError:
+                continue
+    return out
+
+
+def _text_config(config: Mapping | None) -> Mapping:
+    text = (config or {}).get("text_config")
+    return text if isinstance(text, dict) else (config or {})
+
+
+def _fp8_checks(path: str, entries: dict[str, TensorEntry], config: Mapping | None,
+                report: VerifyReport) -> tuple[int, int] | None:
+    """FP8 weights, their scales and ``quantization_config`` agree; returns the block size of an FP8
+    checkpoint (None otherwise, or when its quantization_config cannot be read)."""
+    fp8 = sorted(k for k, e in entries.items() if e.dtype == _FP8)
+    scales = sorted(k for k in entries if k.endswith(SCALE_SUFFIX))
+    quant = (config or {}).get("quantization_config") or _text_config(config).get("quantization_config")
+    if not quant:
+        if fp8 or scales:
+            report.problems.append(f"{len(fp8)} float8_e4m3fn tensors and {len(scales)} scales, but config.json "
+                                   "declares no quantization_config: loaders would read the FP8 bytes as weights")
+        return None
+    try:
+        block = fp8_block_size(path)
+    except ExportInputError as exc:
+        report.problems.append(f"config.json: {exc.problem} ({exc.key}: expected {exc.expected}, found {exc.actual})")
+        return None
+    scale_fmt = quant.get("scale_fmt")
+    if scale_fmt not in (None, "float", "ue8m0"):
+        report.problems.append(f"config.json: quantization_config.scale_fmt is {scale_fmt!r}, expected 'ue8m0' or none")
+    if not fp8:
+        report.problems.append("config.json declares FP8 quantization, but no tensor is float8_e4m3fn")
+    allowed = _SCALE_DTYPES + (("F8_E8M0",) if scale_fmt == "ue8m0" else ())
+    for key in fp8:
+        _check_fp8_weight(key, entries, block, allowed, report)
+    for key in scales:
+        weight = entries.get(key[: -len(SCALE_SUFFIX)])
+        if weight is None or weight.dtype != _FP8:
+            report.problems.append(f"scale '{key}' has no float8_e4m3fn weight beside it"
+                                   + ("" if weight is None else f" (the weight is {weight.dtype})"))
+    return block
+
+
+def _check_fp8_weight(key: str, entries: dict[str, TensorEntry], block: tuple[int, int], allowed: tuple[str, ...],
+                      report: VerifyReport) -> None:
+    weight, scale = entries[key], entries.get(key + SCALE_SUFFIX)
+    if len(weight.shape) != 2:
+        report.problems.append(f"FP8 weight '{key}' is {len(weight.shape)}-D {list(weight.shape)}, expected [out, in]")
+        return
+    if scale is None:
+        report.problems.append(f"FP8 weight '{key}' has no '{key}{SCALE_SUFFIX}'")
+        return
+    grid = [-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1])]
+    if list(scale.shape) != grid:
+        report.problems.append(f"scale '{key}{SCALE_SUFFIX}' has shape {list(scale.shape)}, expected {grid} for "
+                               f"weight {list(weight.shape)} in {list(block)} blocks")
+    if scale.dtype not in allowed:
+        report.problems.append(f"scale '{key}{SCALE_SUFFIX}' is {scale.dtype}, expected one of {list(allowed)}")
+
+
+def _serve_checks(entries: dict[str, TensorEntry], block: tuple[int, int], config: Mapping, tp_sizes: Sequence[int],
+                  report: VerifyReport) -> None:
+    """For each tensor-parallel size, the quantized weights whose shards would not be whole blocks
+    (one line per kind of weight); then the MTP layer."""
+    text = _text_config(config)
+    for tp in tp_sizes:
+        bad: dict[tuple, list[str]] = defaultdict(list)
+        for key, entry in entries.items():
+            dim = 0 if _TP_COLUMN.search(key) else 1 if _TP_ROW.search(key) else None
+            if entry.dtype != _FP8 or len(entry.shape) != 2 or dim is None:
+                continue
+            if tp == 1 and not (dim == 0 and _PER_EXPERT.match(key)):
+                continue  # no split at tp=1; only the experts' width rule applies
+            width = _shard_width(key, entry.shape[dim], tp, text)
+            if width is None or width % block[dim]:
+                bad[(re.sub(r"\.\d+\.", ".N.", key), tuple(entry.shape), dim, width)].append(key)
+        for (kind, shape, dim, width), keys in sorted(bad.items(), key=lambda kv: kv[0][0]):
+            split = f"shards {width} wide" if width is not None else f"{tp} unequal shards"
+            report.problems.append(
+                f"tp={tp}: {len(keys)} FP8 weight(s) {kind} {list(shape)} split dim {dim} into {split}, not a "
+                f"multiple of the {block[dim]}-wide block; vLLM and SGLang refuse to load this checkpoint at tp={tp}")
+    _mtp_check(entries, text, report)
+
+
+def _shard_width(key: str, size: int, tp: int, text: Mapping) -> int | None:
+    """Rows (dim 0) or columns (dim 1) of one tensor-parallel shard; None when ``size`` does not
+    split evenly. K and V heads are replicated once tp exceeds their count, as vLLM does."""
+    heads = text.get("num_key_value_heads")
+    if _KV.search(key) and isinstance(heads, int) and heads > 0 and size % heads == 0 and (heads % tp == 0 or tp % heads == 0):
+        return size // heads * max(1, heads // tp)
+    return size // tp if size % tp == 0 else None
+
+
+def _mtp_check(entries: dict[str, TensorEntry], text: Mapping, report: VerifyReport) -> None:
+    """``num_nextn_predict_layers`` MTP layers follow the main layers (DeepSeek's README_WEIGHTS.md):
+    each must carry its own modules, or speculative decoding with it fails."""
+    n, layers = text.get("num_nextn_predict_layers"), text.get("num_hidden_layers")
+    if not isinstance(n, int) or not isinstance(layers, int) or n <= 0:
+        return
+    for layer in range(layers, layers + n):
+        prefix = f"model.layers.{layer}."
+        have = {k[len(prefix):] for k in entries if k.startswith(prefix)}
+        missing = [m for m in _MTP_MODULES if m not in have]
+        if missing:
+            report.problems.append(
+                f"config.json says num_nextn_predict_layers={n}, but the MTP layer {prefix}* "
+                + (f"lacks {missing}" if have else "is missing") + ": serving with MTP speculative decoding "
+                "would fail (export with the layer, kept by from_hf, or set num_nextn_predict_layers to 0)")

@@ -13,6 +13,10 @@
 The Hugging Face model is found as ``pl_module.model`` (the usual wrapper attribute) or the module
 itself; pass ``get_model`` for other layouts. Needs ``pip install 'nemo-toolkit[lightning]'``
 (falls back to plain Lightning's ``Callback`` when only ``lightning`` is installed).
+
+MMLU metrics go to the trainer's own loggers (``trainer.loggers``: TensorBoard, W&B, CSV ...) at
+the training step, next to the loss, and each step's training loss (the ``loss`` of
+``training_step``'s output) is recorded in ``ctx.results["train_loss"]`` for the MMLU charts.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from nemo_moe_export.evaluate.callback import LOSS_HISTORY_KEY
 from nemo_moe_export.hooks import make_context
 from nemo_moe_export.integrations._install_hint import missing
 
@@ -36,6 +41,17 @@ __all__ = ["MoEExportCallback"]
 
 def _default_model(pl_module: Any) -> Any:
     return getattr(pl_module, "model", pl_module)
+
+
+def _trainer_loggers(trainer: Any) -> Callable[[dict[str, float], int | None], None]:
+    """``log(metrics, step)`` into every logger of ``trainer`` (none: nothing), at ``step`` or, for
+    an evaluation outside a step, the trainer's current step."""
+
+    def log(metrics: dict[str, float], step: int | None) -> None:
+        for logger in getattr(trainer, "loggers", None) or []:
+            logger.log_metrics(metrics, step=int(trainer.global_step) if step is None else step)
+
+    return log
 
 
 if _Base is None:
@@ -60,12 +76,19 @@ else:
         def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
             self.ctx = make_context(self.get_model(pl_module), self.tokenizer, self.layout,
                                     getattr(trainer, "default_root_dir", None))
+            for hook in getattr(self.hooks, "hooks", [self.hooks]):
+                if hasattr(hook, "add_metrics_logger") and not getattr(hook, "_lightning_logger_added", False):
+                    hook.add_metrics_logger(_trainer_loggers(trainer))
+                    hook._lightning_logger_added = True  # setup runs again for validate / test
             self.hooks.on_setup(self.ctx)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = int(trainer.global_step)
             if step != self._last_step:  # once per optimizer step, also with gradient accumulation
                 self._last_step = step
+                loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+                if loss is not None:
+                    self.ctx.results.setdefault(LOSS_HISTORY_KEY, []).append([step, float(loss)])
                 self.hooks.on_step_end(self.ctx, step)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -28,7 +28,7 @@ from nemo_moe_export.errors import ExportInputError
 
 __all__ = [
     "CONFIG_PATH_ENV", "DEFAULT_RECIPE", "RecipeArgs", "find_recipe", "hydra_overrides", "hydra_search_path",
-    "load_config", "packaged_dir", "split_recipe_args", "user_config_dirs",
+    "load_config", "packaged_dir", "parse_nproc", "split_recipe_args", "user_config_dirs",
 ]
 
 PACKAGE = "nemo_moe_export"
@@ -57,9 +57,9 @@ def split_recipe_args(argv: list[str]) -> RecipeArgs:
         if arg.startswith("recipe="):
             recipe = arg.split("=", 1)[1]
         elif arg == "--nproc":
-            nproc = int(args.pop(0))
+            nproc = parse_nproc(args.pop(0) if args else None)
         elif arg.startswith("--nproc="):
-            nproc = int(arg.split("=", 1)[1])
+            nproc = parse_nproc(arg.split("=", 1)[1])
         elif arg == "--config-dir":
             if not args:
                 raise ExportInputError("--config-dir needs a value", key="--config-dir", expected="a directory",
@@ -70,6 +70,19 @@ def split_recipe_args(argv: list[str]) -> RecipeArgs:
         else:
             overrides.append(arg)
     return RecipeArgs(recipe, overrides, nproc, config_dirs)
+
+
+def parse_nproc(value: str | None) -> int:
+    """``--nproc N``: a positive integer (0 or -2 would otherwise run one rank or crash torchrun)."""
+    try:
+        nproc = int(value) if value is not None else None
+    except ValueError:
+        nproc = None
+    if nproc is None or nproc < 1:
+        raise ExportInputError("--nproc must be a positive integer", key="--nproc", expected="an integer >= 1",
+                               actual="nothing" if value is None else repr(value),
+                               hint="--nproc N starts N local ranks; leave it out under torchrun or srun")
+    return nproc
 
 
 def packaged_dir(name: str) -> Path:

@@ -2,10 +2,12 @@
 
 Data flow, from a recipe YAML to the bytes on disk:
 
-0. ``checks`` : before any process group or model exists: the stages, every stage's options
-               (``MMLUOptions`` / ``ExportOptions`` built from the ``mmlu`` / ``export`` groups,
-               so a bad value is refused here) and the export target (an existing one is refused
-               with ``export.overwrite=error``, rather than after training).
+0. ``checks`` : before any process group or model exists (``check_recipe``): the whole config
+               (``recipe/checks.py``: stages, parallel layout against the world size and the
+               expert count, paths that must exist), every stage's options (``MMLUOptions`` /
+               ``ExportOptions`` built from the ``mmlu`` / ``export`` groups, so a bad value is
+               refused here) and the export target (an existing one is refused with
+               ``export.overwrite=error``, rather than after training).
 1. ``setup``  : process group (under torchrun), ``run_dir``, the synthetic MMLU corpus (rank 0 writes
                it unless ``mmlu.data_path`` is given), the word-level tokenizer, the model built
                from ``model`` and sharded as ``parallel`` says (or restored from
@@ -40,48 +42,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_moe_export.config import STAGES
-from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.parallel import dist_info
+from nemo_moe_export.recipe.checks import check_config, check_export_target, check_stages, export_target
 
-__all__ = ["check_export_target", "check_stages", "export_target", "run_recipe"]
+__all__ = ["check_export_target", "check_recipe", "check_stages", "export_target", "run_recipe"]
 
 
-def check_stages(cfg: Any) -> list[str]:
-    """Stages must be known, unique and in pipeline order; a stage run alone must have its inputs."""
-    stages = list(cfg.stages)
-    unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        raise ExportInputError("unknown stage", key="stages", expected=f"a subset of {list(STAGES)}",
-                               actual=unknown)
-    if len(set(stages)) != len(stages) or stages != sorted(stages, key=STAGES.index):
-        raise ExportInputError("stages must be unique and in pipeline order", key="stages",
-                               expected=[s for s in STAGES if s in stages], actual=stages)
-    if "train" not in stages and {"mmlu", "export"} & set(stages) and not cfg.export.from_checkpoint:
-        raise ExportInputError(
-            "mmlu/export without train need a trained checkpoint", key="export.from_checkpoint",
-            expected="a checkpoint directory written by the train stage ({run_dir}/checkpoint)", actual=None,
-            hint="run with stages=[export] export.from_checkpoint=runs/<name>/checkpoint",
-        )
+def check_recipe(cfg: Any, world_size: int | None = None) -> list[str]:
+    """Every check a config can fail before any work, on ``world_size`` ranks (None: one process):
+    the config itself (``recipe/checks.py``), then every stage's options and the export target, by
+    building the stages' hooks. Returns the stages to run."""
+    stages = check_config(cfg, world_size)
+    _stage_hooks(cfg, os.path.abspath(cfg.run_dir), stages)
     return stages
 
 
-def export_target(cfg: Any, run_dir: str) -> str:
-    """Where the export writes (and verify reads): ``export.output_dir``, else ``{run_dir}/hf``."""
-    return os.path.abspath(cfg.export.output_dir or os.path.join(run_dir, "hf"))
-
-
-def check_export_target(target: str, overwrite: str) -> None:
-    """Refuse an existing export target up front when ``overwrite`` is ``"error"``: re-running a
-    recipe into the same ``run_dir`` fails in a second, not after training (the export step
-    itself would refuse it only then)."""
-    if overwrite == "error" and os.path.exists(target):
-        raise ExportInputError(
-            "export target already exists", key="export.output_dir",
-            expected=f"no directory at {target} (export.overwrite=error)", actual="an existing path",
-            hint="pass export.overwrite=replace to replace it atomically after training, "
-                 "or choose another run_dir or export.output_dir",
-        )
+def _world_size() -> int | None:
+    """The ranks this run will have: the process group's, torchrun's ``WORLD_SIZE``, else None."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
 
 
 def _stage_hooks(cfg: Any, run_dir: str, stages: list[str]) -> tuple[Any, Any]:
@@ -138,11 +118,9 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
     :class:`~nemo_moe_export.hooks.RecipeContext` (the GPU benchmark measures the trained
     model there); what it puts in ``ctx.results`` is saved with the rest.
     """
-    from nemo_moe_export.config import validate_config
     from nemo_moe_export.parallel import init_distributed, resolve_device
 
-    validate_config(cfg)
-    stages = check_stages(cfg)
+    stages = check_recipe(cfg, _world_size())  # the whole config, before any process group or model
     run_dir = os.path.abspath(cfg.run_dir)
     mmlu_callback, export_step = _stage_hooks(cfg, run_dir, stages)
     device = resolve_device(cfg.parallel.device)
@@ -206,7 +184,7 @@ def _export_stage(ctx: Any, export_step: Any, log: Any) -> None:
 def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callback: Any) -> tuple[Any, Any]:
     from nemo_moe_export.hooks import AdapterHook, HookList, RecipeContext
     from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
-    from nemo_moe_export.recipe.trainer import build_model, shard_model
+    from nemo_moe_export.recipe.trainer import build_sharded_model
 
     data_root = _data_root(cfg, run_dir)
     if cfg.mmlu.data_path is None and info.rank == 0:
@@ -221,13 +199,10 @@ def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callba
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(from_checkpoint, "tokenizer"))
     else:
         tokenizer = build_tokenizer(data_root)
-    model = build_model(cfg.model, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, device=device)
-    model, layout = shard_model(model, cfg.parallel, device=device)
+    model, layout = build_sharded_model(cfg.model, cfg.parallel, vocab_size=len(tokenizer),
+                                        pad_token_id=tokenizer.pad_token_id, device=device)
     if from_checkpoint:
-        import torch.distributed.checkpoint as dcp
-
-        state = model.state_dict()
-        dcp.load(state, checkpoint_id=from_checkpoint)
+        _load_checkpoint(model, from_checkpoint)
         log.info(f"restored the model from {from_checkpoint}")
     ctx = RecipeContext(model=model, layout=layout, tokenizer=tokenizer, run_dir=run_dir, data_root=data_root)
     hooks = HookList([AdapterHook(), *([mmlu_callback] if mmlu_callback is not None else [])])
@@ -235,11 +210,35 @@ def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callba
     return ctx, hooks
 
 
-def _save_checkpoint(ctx: Any, path: str) -> None:
-    """A sharded torch DCP checkpoint of the model plus the tokenizer: what ``from_checkpoint`` reads."""
+def _load_checkpoint(model: Any, path: str) -> None:
+    """Restore what :func:`_save_checkpoint` wrote: torch DCP, or megatron-core's own
+    ``dist_checkpointing`` for a megatron-core model (docs/design.md#megatron-core-models)."""
+    from nemo_moe_export.megatron import MegatronCausalLM
+
+    if isinstance(model, MegatronCausalLM):
+        from nemo_moe_export.megatron.checkpoint import load_training_checkpoint
+
+        load_training_checkpoint(model, path)
+        return
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(ctx.model.state_dict(), checkpoint_id=path)
+    dcp.load(model.state_dict(), checkpoint_id=path)
+
+
+def _save_checkpoint(ctx: Any, path: str) -> None:
+    """A sharded checkpoint of the model plus the tokenizer: what ``from_checkpoint`` reads (torch
+    DCP; megatron-core's ``dist_checkpointing`` for a megatron-core model, whose export view must
+    never go to DCP: one local expert name is a different expert on each EP rank)."""
+    from nemo_moe_export.megatron import MegatronCausalLM
+
+    if isinstance(ctx.model, MegatronCausalLM):
+        from nemo_moe_export.megatron.checkpoint import save_training_checkpoint
+
+        save_training_checkpoint(ctx.model, path)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(ctx.model.state_dict(), checkpoint_id=path)
     if dist_info().rank == 0:
         ctx.tokenizer.save_pretrained(os.path.join(path, "tokenizer"))
     if dist_info().initialized:

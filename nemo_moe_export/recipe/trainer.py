@@ -1,7 +1,9 @@
 """The reference trainer of the embedded recipe: a tiny transformers MoE, really sharded, really trained.
 
 It exists so the plugin's hooks run inside a genuine distributed training loop on CPU ranks:
-``fully_shard`` (FSDP / HSDP), real expert parallelism (all-to-all routing), or both. It trains on
+``fully_shard`` (FSDP / HSDP), real expert parallelism (all-to-all routing), or both; with
+``model.backend: megatron_core`` the same loop trains a megatron-core ``GPTModel`` under
+``parallel_state`` (docs/design.md#megatron-core-models). It trains on
 the synthetic multiple-choice corpus (``recipe/data.py``) formatted exactly as the MMLU evaluation
 will see it, with the loss on the answer letter only.
 
@@ -26,13 +28,16 @@ from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.config import ModelConfig, ParallelConfig, TrainerConfig
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.evaluate.callback import LOSS_HISTORY_KEY
+from nemo_moe_export.evaluate.runner import wants_uniform_shapes
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import ParallelLayout, dist_info
 from nemo_moe_export.progress import Progress
 
-__all__ = ["TrainState", "build_model", "shard_model", "train"]
+__all__ = ["TrainState", "build_model", "build_sharded_model", "shard_model", "train"]
 
 STRATEGIES = ("fsdp", "hsdp", "ep", "ep_fsdp")
+BACKENDS = ("transformers", "megatron_core")
 
 
 @dataclass
@@ -63,6 +68,22 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int | None =
         return tiny_model(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
                           moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
                           vocab_size=vocab_size, seed=cfg.seed, dtype=dtype, **extra)
+
+
+def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, vocab_size: int,
+                        pad_token_id: int | None = None, device: str = "cpu") -> tuple[Any, ParallelLayout]:
+    """The recipe's model, sharded, with its layout: a transformers model built then sharded as
+    ``parallel`` says, or (``model.backend: megatron_core``) a megatron-core model that
+    ``parallel_state`` shards while it is built (``nemo_moe_export/megatron/recipe.py``)."""
+    if model_cfg.backend not in BACKENDS:
+        raise ExportInputError("unknown model backend", key="model.backend", expected=BACKENDS,
+                               actual=repr(model_cfg.backend))
+    if model_cfg.backend == "megatron_core":
+        from nemo_moe_export.megatron.recipe import build_recipe_model
+
+        return build_recipe_model(model_cfg, parallel_cfg, vocab_size=vocab_size, device=device)
+    model = build_model(model_cfg, vocab_size=vocab_size, pad_token_id=pad_token_id, device=device)
+    return shard_model(model, parallel_cfg, device=device)
 
 
 def shard_model(model: Any, cfg: ParallelConfig, *, device: str = "cpu") -> tuple[Any, ParallelLayout]:
@@ -137,22 +158,37 @@ def _sync_unsharded_grads(model: Any, layout: ParallelLayout, world: int) -> Non
                     dist.all_reduce(grad, group=layout.edp.group)
                 grad.div_(world)
             continue  # FSDP-managed: already averaged by reduce-scatter
+        if not getattr(p, "allreduce", True):  # megatron-core's mark of an expert-parallel parameter
+            if layout.edp.size > 1:
+                dist.all_reduce(p.grad, group=layout.edp.group)
+            p.grad.div_(world)
+            continue
         dist.all_reduce(p.grad)
         p.grad.div_(world)
 
 
-def _clip_grad_norm(model: Any, max_norm: float) -> float:
+def _clip_grad_norm(model: Any, max_norm: float, layout: ParallelLayout | None = None) -> float:
     """Global gradient norm over every parameter, whatever its sharding; clips to ``max_norm``.
 
     Each parameter's norm is taken as a DTensor where it is one (DTensor reduces over its own mesh,
     counting replicas once), so FSDP shards, HSDP replicas and EP experts all count exactly once.
+    megatron-core's expert parameters are plain tensors holding other experts on each EP peer:
+    their squares are summed over the EP group, so every rank clips by the same norm.
     """
-    squares = []
+    squares, expert_squares = [], []
     for p in model.parameters():
         if p.grad is None:
             continue
         norm = torch.linalg.vector_norm(p.grad.float())
+        if not getattr(p, "allreduce", True):
+            expert_squares.append(norm ** 2)
+            continue
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    if expert_squares:
+        experts = torch.stack(expert_squares).sum()
+        if layout is not None and layout.ep.size > 1:
+            dist.all_reduce(experts, group=layout.ep.group)
+        squares.append(experts)
     total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
     if max_norm > 0 and total > max_norm:
         for p in model.parameters():
@@ -200,13 +236,15 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
                                                  * 0.5 * (1 + math.cos(math.pi * min(s, cfg.max_steps) / cfg.max_steps)))
     pad = tokenizer.pad_token_id
     device = next(model.parameters()).device
+    # megatron-core's allgather dispatcher exchanges equal-shaped buffers: every rank pads to one width
+    uniform_width = max(len(x) for x in examples) if wants_uniform_shapes(model) else None
     state = TrainState()
     progress = Progress(cfg.max_steps, "train", enabled=cfg.progress, min_interval_s=2.0)  # on global rank 0
     start = time.perf_counter()
     model.train()
     for step in range(1, cfg.max_steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
-        width = max(len(x) for x in batch)
+        width = uniform_width or max(len(x) for x in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
@@ -220,7 +258,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         _sync_unsharded_grads(model, layout, info.world_size)
-        state.grad_norms.append(_clip_grad_norm(model, cfg.grad_clip))
+        state.grad_norms.append(_clip_grad_norm(model, cfg.grad_clip, layout))
         optimizer.step()
         schedule.step()
         value = loss.detach().clone()
@@ -233,6 +271,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
             log(f"step {step}/{cfg.max_steps} loss {float(value):.4f} grad norm {state.grad_norms[-1]:.3f} "
                 f"lr {schedule.get_last_lr()[0]:.2e}")
         if hooks is not None:
+            ctx.results.setdefault(LOSS_HISTORY_KEY, []).append([step, float(value)])  # the MMLU charts read it
             hooks.on_step_end(ctx, step)
     progress.close()
     state.seconds = time.perf_counter() - start

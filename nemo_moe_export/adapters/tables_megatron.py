@@ -1,0 +1,152 @@
+"""Tables for megatron-core ``GPTModel`` state dicts: DeepSeek-V3 (MLA) and Qwen3-MoE layouts.
+
+In-memory names are megatron-core 0.16's, for both the local spec (``get_gpt_decoder_block_spec(...,
+use_transformer_engine=False)``) and the Transformer Engine spec, which fuses norms into the next
+linear (``linear_qkv.layer_norm_weight`` is the input norm, a dense layer's
+``mlp.linear_fc1.layer_norm_weight`` its post-attention norm). HF names are what transformers 5
+``save_pretrained`` writes; the mapping is Megatron-Bridge's (``deepseek/common.py``,
+``qwen3_moe_bridge.py``). docs/design.md#megatron-core-models lists where each fact comes from.
+
+Routed experts come in three layouts, all with the model's own global ids (``local_experts``):
+
+* ``SequentialMLP``: ``experts.local_experts.{i}.linear_fc1.weight`` [2F, H] (gate rows, then up:
+  ``mlp.py``'s glu takes ``chunk(x, 2)``) and ``linear_fc2.weight`` [H, F];
+* ``TEGroupedMLP``: ``experts.linear_fc1.weight{i}`` / ``linear_fc2.weight{i}``, same orientation;
+* legacy ``GroupedMLP``: ``experts.weight1`` [H, L*2F] and ``weight2`` [L*F, H], which the module
+  itself views as [L, H, 2F] and [L, F, H] (``experts.py``), so HF ``gate = weight1.view(L, H, -1)[e,
+  :, :F].T``.
+
+Every key must match a rule (``require_rule``): megatron never uses transformers' names, so a key
+passed through unchanged would be a silently wrong checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+
+from nemo_moe_export.adapters.engine import KeyRule, ModelTable
+from nemo_moe_export.adapters.tables import DEEPSEEK_V3, QWEN3_MOE
+
+__all__ = ["MEGATRON_DEEPSEEK_V3", "MEGATRON_QWEN3_MOE", "MEGATRON_TABLES", "NAMING"]
+
+NAMING = "megatron_core"
+"""The ``InMemoryLayout.naming`` of megatron-core state dicts; tables are ``"megatron_core:{model_type}"``."""
+
+_LAYER = r"(?P<prefix>decoder\.layers\.(?P<layer>\d+))"
+_HF_LAYER = "model.layers.{layer}"
+
+
+def _renames(pairs: dict[str, str]) -> tuple[KeyRule, ...]:
+    """One-to-one renames of per-layer tensors: megatron suffix -> HF suffix."""
+    return tuple(KeyRule(rf"{_LAYER}\.{re.escape(src)}", (f"{_HF_LAYER}.{dst}",)) for src, dst in pairs.items())
+
+
+def _gated_mlp(src: str, dst: str) -> tuple[KeyRule, ...]:
+    """A gated MLP: ``linear_fc1`` [2F, H] is gate rows then up rows; ``linear_fc2`` is down."""
+    return (
+        KeyRule(rf"{_LAYER}\.{re.escape(src)}\.linear_fc1\.weight",
+                (f"{_HF_LAYER}.{dst}.gate_proj.weight", f"{_HF_LAYER}.{dst}.up_proj.weight")),
+        KeyRule(rf"{_LAYER}\.{re.escape(src)}\.linear_fc2\.weight", (f"{_HF_LAYER}.{dst}.down_proj.weight",)),
+    )
+
+
+def _routed_experts() -> tuple[KeyRule, ...]:
+    """The three megatron-core experts layouts, to HF ``mlp.experts.{e}.{gate,up,down}_proj``."""
+    moe = rf"(?P<moe>{_LAYER}\.mlp)"
+    per = f"{_HF_LAYER}.mlp.experts.{{expert}}"
+    gate_up = (f"{per}.gate_proj.weight", f"{per}.up_proj.weight")
+    down = (f"{per}.down_proj.weight",)
+    return (
+        KeyRule(rf"{moe}\.experts\.local_experts\.(?P<local>\d+)\.linear_fc1\.weight", gate_up,
+                local_experts=True, group="sequential"),
+        KeyRule(rf"{moe}\.experts\.local_experts\.(?P<local>\d+)\.linear_fc2\.weight", down,
+                local_experts=True, group="sequential"),
+        KeyRule(rf"{moe}\.experts\.linear_fc1\.weight(?P<local>\d+)", gate_up, local_experts=True, group="te_grouped"),
+        KeyRule(rf"{moe}\.experts\.linear_fc2\.weight(?P<local>\d+)", down, local_experts=True, group="te_grouped"),
+        KeyRule(rf"{moe}\.experts\.weight1", gate_up, per_expert=True, local_experts=True,
+                experts_view=("hidden_size", -1), split_dim=1, transpose=True, group="legacy_grouped"),
+        KeyRule(rf"{moe}\.experts\.weight2", down, per_expert=True, local_experts=True,
+                experts_view=(-1, "hidden_size"), transpose=True, group="legacy_grouped"),
+    )
+
+
+_MODEL_RULES = (
+    KeyRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",)),
+    KeyRule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",)),
+    KeyRule(r"output_layer\.weight", ("lm_head.weight",)),
+)
+
+_NORMS_AND_ROUTER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",  # MoE layers (and local-spec dense ones)
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",  # TE dense layers
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+}
+
+_MLA_ATTENTION = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",  # q_lora_rank None
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attn.q_a_layernorm.weight",  # TE
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight",  # TE
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+}
+
+_GQA_ATTENTION = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",  # TE
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+}
+
+# ``linear_qkv`` [groups * (heads/groups + 2) * head_dim, H] holds, per query group, that group's
+# query heads, then its key head, then its value head (attention.py splits it so); HF keeps q, k, v
+# apart, so q is every group's first part, in group order.
+_QKV = KeyRule(
+    rf"{_LAYER}\.self_attention\.linear_qkv\.weight",
+    (f"{_HF_LAYER}.self_attn.q_proj.weight", f"{_HF_LAYER}.self_attn.k_proj.weight",
+     f"{_HF_LAYER}.self_attn.v_proj.weight"),
+    split_groups="num_key_value_heads",
+    split_units=("num_attention_heads", "num_key_value_heads", "num_key_value_heads"),
+)
+
+MEGATRON_DEEPSEEK_V3 = ModelTable(
+    model_types=(f"{NAMING}:deepseek_v3", f"{NAMING}:kimi_k2"),
+    rules=(
+        *_MODEL_RULES,
+        *_routed_experts(),
+        *_gated_mlp("mlp.shared_experts", "mlp.shared_experts"),
+        *_gated_mlp("mlp", "mlp"),
+        *_renames(_NORMS_AND_ROUTER),
+        *_renames(_MLA_ATTENTION),
+    ),
+    num_experts_fields=("n_routed_experts",),
+    tied_keys=("output_layer.weight",),
+    description="megatron-core DeepSeek-V3 (MLA): decoder.layers.L.mlp.experts.local_experts.i",
+    require_rule=True,
+    fp8_weights=DEEPSEEK_V3.fp8_weights,  # over HF names: the same checkpoint format
+)
+
+MEGATRON_QWEN3_MOE = ModelTable(
+    model_types=(f"{NAMING}:qwen3_moe",),
+    rules=(
+        *_MODEL_RULES,
+        *_routed_experts(),
+        *_gated_mlp("mlp", "mlp"),
+        *_renames(_NORMS_AND_ROUTER),
+        *_renames(_GQA_ATTENTION),
+        _QKV,
+    ),
+    num_experts_fields=("num_experts",),
+    tied_keys=("output_layer.weight",),
+    description="megatron-core Qwen3-MoE: decoder.layers.L.mlp.experts.local_experts.i",
+    require_rule=True,
+    fp8_weights=QWEN3_MOE.fp8_weights,
+)
+
+MEGATRON_TABLES: tuple[ModelTable, ...] = (MEGATRON_DEEPSEEK_V3, MEGATRON_QWEN3_MOE)

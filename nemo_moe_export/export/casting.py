@@ -1,0 +1,76 @@
+"""Casting like transformers: which tensors stay float32 when the export casts to ``dtype``.
+
+A transformers model built (or loaded) in bf16 or fp16 keeps some tensors in float32: each model
+class lists them as glob patterns in ``_keep_in_fp32_modules_strict`` (kept for bf16 and fp16) and
+``_keep_in_fp32_modules`` (fp16 only), ``PreTrainedModel._get_dtype_plan``. DeepSeek-V3 keeps its
+router ``gate.weight`` and ``e_score_correction_bias``, Kimi Linear also ``dt_bias``: rounding the
+router bias to bf16 would change which experts are chosen. The loader turns the patterns into one
+regex (``*`` -> ``.*``, ``core_model_loading.build_glob_alternation``) and searches it in each
+in-memory parameter name; we do the same, so an export with ``dtype=`` equals ``save_pretrained``
+of the same weights in a model built in that dtype (docs/design.md#casting-like-transformers).
+
+The patterns are read from the model class, never from a list of ours: the model passed, else the
+class ``AutoModelForCausalLM`` maps the config to.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["float32_keys", "fp32_patterns"]
+
+
+def fp32_patterns(dtype: torch.dtype | None, model: Any = None, config: Any = None) -> tuple[str, ...]:
+    """The glob patterns transformers keeps in float32 for a model built in ``dtype``."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return ()
+    source = model if _declares_fp32(model) else _model_class(config)
+    if source is None:
+        return ()
+    patterns = set(getattr(source, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        patterns |= set(getattr(source, "_keep_in_fp32_modules", None) or ())
+    return tuple(sorted(patterns))
+
+
+def float32_keys(patterns: Iterable[str], source_keys: Mapping[str, str]) -> frozenset[str]:
+    """HF keys (of ``{hf_key: in-memory key}``) whose in-memory name matches a pattern, as
+    transformers searches it. The HF name is searched too, for state dicts whose in-memory names
+    are not transformers' own (megatron-core); for the supported families both agree."""
+    patterns = list(patterns)
+    if not patterns:
+        return frozenset()
+    alternation = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns))
+    return frozenset(hf for hf, mem in source_keys.items() if alternation.search(mem) or alternation.search(hf))
+
+
+def _declares_fp32(model: Any) -> bool:
+    return model is not None and (hasattr(model, "_keep_in_fp32_modules_strict")
+                                  or hasattr(model, "_keep_in_fp32_modules"))
+
+
+def _model_class(config: Any) -> Any:
+    """The causal-LM class transformers builds for ``config`` (a config object or a dict), or None."""
+    if config is None:
+        return None
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    if isinstance(config, Mapping):
+        model_type = config.get("model_type")
+        if model_type is None:
+            return None
+        try:
+            config = AutoConfig.for_model(model_type)
+        except (KeyError, ValueError):
+            return None
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None

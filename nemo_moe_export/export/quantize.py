@@ -1,0 +1,381 @@
+"""FP8 block-quantized export, straight from the shards (docs/design.md#fp8-export).
+
+``quantize="fp8_block"`` writes the weights the model family's table declares
+(``ModelTable.fp8_weights``; ``ExportOptions.quantize_keys`` replaces that list) as
+``float8_e4m3fn`` with ``{key}_scale_inv`` fp32 block scales, the format of DeepSeek's official
+checkpoints (``adapters/fp8.py`` holds the block math). No rank gathers anything: each quantizes
+the slices it writes anyway, its write shares (``plan.write_shares``). In the export's steps:
+
+1. validate, on each rank: :func:`quantized_keys` and :func:`fp8_plan` (pure: which planned keys
+   become FP8, and the plan with their dtype changed and their scale tensors added); then the max
+   |w| of every 128 x 128 block this rank's shares touch, over its own elements only. A block that
+   lies wholly inside one share is final; the others cross a shard boundary.
+2. validate, across ranks: one all-gather of the boundary blocks' partial amaxes (block id, amax),
+   so every scale equals the one a whole-tensor quantization computes. Each scale is written by
+   the one rank whose share holds the block's first element.
+3. write: :class:`Fp8Writer` wraps the storage writer and quantizes the weight shares just before
+   they are written, in batches of at most ``staging_bytes`` of FP8, so no rank holds more than its
+   shard plus that batch and the writer's own staging.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from nemo_moe_export.adapters import HFShard, StateDictAdapter, TensorMeta, get_table
+from nemo_moe_export.adapters.fp8 import (FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIX, block_scales, official_quantization_config,
+                                          quantize_with_scales)
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.export.plan import ExportPlan, plan_export
+from nemo_moe_export.export.storage import StorageWriter
+from nemo_moe_export.export.writer import WriteStats
+
+__all__ = ["Fp8WriteStats", "Fp8Writer", "fp8_plan", "quantization_config", "quantize_export", "quantized_keys"]
+
+
+def quantization_config(options: ExportOptions) -> dict[str, Any] | None:
+    """The ``quantization_config`` of ``config.json`` for what ``options`` write (None: not quantized)."""
+    return official_quantization_config(options.scale_fmt) if options.quantize is not None else None
+
+
+# --------------------------------------------------------------------------------------------------
+# What is quantized, and the plan (pure: the same on every rank)
+# --------------------------------------------------------------------------------------------------
+
+
+def quantized_keys(plan: ExportPlan, adapter: StateDictAdapter, options: ExportOptions) -> frozenset[str]:
+    """The planned keys written as FP8: those matching ``options.quantize_keys`` (default: the model
+    family's ``fp8_weights``), except keys matching ``keep_dtype``. Each must be a 2-D floating
+    tensor; a pattern that matches anything else, or nothing at all, is refused."""
+    patterns = [re.compile(p) for p in (options.quantize_keys or _family_patterns(adapter))]
+    keep = [re.compile(p) for p in options.keep_dtype]
+    keys = set()
+    for key, planned in plan.tensors.items():
+        if not any(p.search(key) for p in patterns) or any(p.search(key) for p in keep):
+            continue
+        if len(planned.shape) != 2 or not planned.dtype.is_floating_point:
+            raise ExportInputError("only 2-D floating weights can be block-quantized", key=key,
+                                   expected="a floating [out, in] weight", actual=f"{planned.dtype} {planned.shape}",
+                                   hint="narrow quantize_keys (or the table's fp8_weights) to the linear weights")
+        keys.add(key)
+    if not keys:
+        raise ExportInputError("quantize='fp8_block' matches no weight of the model", key="quantize_keys",
+                               expected=f"keys matching {[p.pattern for p in patterns]}",
+                               actual=f"none of the {len(plan.tensors)} planned keys")
+    return frozenset(keys)
+
+
+def _family_patterns(adapter: StateDictAdapter) -> tuple[str, ...]:
+    """The table's ``fp8_weights``; a table in another framework's names (megatron-core) writes the
+    family's HF keys, so the family's transformers table answers for it."""
+    if adapter.table.fp8_weights:
+        return adapter.table.fp8_weights
+    config = adapter.config
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    try:
+        patterns = get_table(str(model_type)).fp8_weights
+    except ExportInputError:
+        patterns = ()
+    if not patterns:
+        raise ExportInputError("this model family declares no FP8 weights", key=str(model_type),
+                               expected="a table with fp8_weights (deepseek_v3, kimi_k2, qwen3_moe) or quantize_keys",
+                               actual="none", hint="pass quantize_keys=[...] with regexes of the linear weights to quantize")
+    return patterns
+
+
+def _grid(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The scale tensor's shape for a weight of ``shape``: one scale per block, edge blocks included."""
+    return math.ceil(shape[0] / FP8_BLOCK[0]), math.ceil(shape[1] / FP8_BLOCK[1])
+
+
+def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_size: int | str) -> ExportPlan:
+    """``plan`` with ``keys`` stored as ``float8_e4m3fn`` and a ``{key}_scale_inv`` fp32 tensor of
+    shape ``[ceil(out / 128), ceil(in / 128)]`` beside each, laid out again (the scale sorts right
+    after its weight)."""
+    metas: dict[str, TensorMeta] = {}
+    for key, planned in plan.tensors.items():
+        if key not in keys:
+            metas[key] = TensorMeta(planned.shape, planned.dtype)
+            continue
+        if key + SCALE_SUFFIX in plan.tensors:
+            raise ExportInputError("the scale name of a weight to quantize is taken", key=key + SCALE_SUFFIX,
+                                   expected="no tensor of that name", actual="a planned tensor",
+                                   hint="a checkpoint's own scales cannot be written beside new ones")
+        metas[key] = TensorMeta(planned.shape, FP8_DTYPE)
+        metas[key + SCALE_SUFFIX] = TensorMeta(_grid(planned.shape), torch.float32)
+    return plan_export(metas, max_shard_size=max_shard_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# Block amaxes of this rank's shares, and the exchange of the boundary blocks
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Blocks:
+    """The blocks one weight share touches: block rows and columns from ``first`` of its key's
+    grid. ``amax`` is over this share's elements (fp32, CPU) until the exchange makes it the
+    block's; ``inside`` marks the blocks wholly inside the share; ``scale`` comes last."""
+
+    share: HFShard
+    first: tuple[int, int]
+    amax: torch.Tensor
+    inside: torch.Tensor
+    scale: torch.Tensor | None = None
+
+
+def _blocks_of(share: HFShard) -> _Blocks:
+    """This share's block amaxes, a few block rows at a time (:func:`_row_steps`), in the share's
+    own dtype (|w| and max are exact in any dtype)."""
+    (r0, c0), (h, w) = share.offsets, tuple(share.tensor.shape)
+    (b0, b1), (rows, cols) = FP8_BLOCK, share.global_shape
+    block_rows = range(r0 // b0, (r0 + h - 1) // b0 + 1)
+    block_cols = range(c0 // b1, (c0 + w - 1) // b1 + 1)
+    lead = c0 - block_cols.start * b1  # where the share starts inside its first block column
+    padded = torch.zeros(len(block_rows), len(block_cols) * b1, dtype=share.tensor.dtype, device=share.tensor.device)
+    for lo, hi, block, n in _row_steps(r0, h, w):
+        part = share.tensor[lo:hi].abs()
+        i = block - block_rows.start
+        padded[i:i + n, lead:lead + w] = part.view(n, -1, w).amax(dim=1)
+    amax = padded.view(len(block_rows), len(block_cols), b1).amax(dim=2).float().cpu()
+    _refuse_non_finite(share, amax, block_rows.start, block_cols.start)
+    inside = torch.outer(_wholly_inside(block_rows, b0, r0, h, rows), _wholly_inside(block_cols, b1, c0, w, cols))
+    return _Blocks(share, (block_rows.start, block_cols.start), amax, inside)
+
+
+_STEP_VALUES = 1 << 22  # values per step of the amax and quantize loops: <= 16 MiB of fp32 temporaries
+
+
+def _row_steps(r0: int, h: int, w: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(lo, hi, first block row, block rows)`` over rows ``[0, h)`` of a share whose row 0 is global
+    row ``r0``: runs of whole 128-row blocks (at most ``_STEP_VALUES`` values), and a block cut by
+    the share's (or the tensor's) edge alone. Few steps, so few kernel launches on a GPU."""
+    b0, lo = FP8_BLOCK[0], 0
+    while lo < h:
+        block, offset = divmod(r0 + lo, b0)
+        if offset or h - lo < b0:  # a cut block: up to its end or the share's
+            hi, n = min(h, (block + 1) * b0 - r0), 1
+        else:
+            n = max(1, min(h - lo, max(b0, _STEP_VALUES // max(w, 1))) // b0)
+            hi = lo + n * b0
+        yield lo, hi, block, n
+        lo = hi
+
+
+def _wholly_inside(blocks: range, size: int, start: int, length: int, total: int) -> torch.Tensor:
+    """Which of ``blocks`` (of ``size``, the last one cut at ``total``) lie within ``[start, start + length)``."""
+    return torch.tensor([b * size >= start and min((b + 1) * size, total) <= start + length for b in blocks])
+
+
+def _refuse_non_finite(share: HFShard, amax: torch.Tensor, row0: int, col0: int) -> None:
+    bad = (~torch.isfinite(amax)).nonzero()
+    if bad.numel():
+        r, c = (int(v) for v in bad[0])
+        raise ExportInputError(
+            "a weight to quantize holds NaN or inf", key=share.key, expected="finite values",
+            actual=f"{len(bad)} 128x128 block(s) with non-finite values, the first block ({row0 + r}, {col0 + c}) "
+                   f"in this rank's slice at offsets {share.offsets}",
+            hint="the model diverged: export an earlier checkpoint, or keep this weight unquantized with keep_dtype")
+
+
+def _owned_scales(blocks: _Blocks) -> tuple[range, range]:
+    """The blocks whose first element this share holds: it alone writes their scales."""
+    (r0, c0), (h, w), (b0, b1) = blocks.share.offsets, tuple(blocks.share.tensor.shape), FP8_BLOCK
+    return range(-(-r0 // b0), -(-(r0 + h) // b0)), range(-(-c0 // b1), -(-(c0 + w) // b1))
+
+
+def _block_ids(keys: Collection[str], plan: ExportPlan) -> dict[str, tuple[int, int]]:
+    """``{key: (first id, grid columns)}``: every block of every quantized key numbered once, in the
+    plan's key order, the same on every rank."""
+    ids, start = {}, 0
+    for key in plan.tensors:
+        if key in keys:
+            rows, cols = _grid(plan.tensors[key].shape)
+            ids[key], start = (start, cols), start + rows * cols
+    return ids
+
+
+def _exchange(blocks: list[_Blocks], ids: dict[str, tuple[int, int]], coordinator: Any, facts: Any) -> list[Any]:
+    """Combine the partial amaxes of boundary blocks over the export group: one all-gather of
+    ``(block ids, amaxes)``, after which each of this rank's boundary blocks holds the max over every
+    rank holding part of it. ``facts`` (small per-rank numbers) travel along; returns every rank's."""
+    per_share, mine, values = [], [], []
+    for b in blocks:
+        r, c = (~b.inside).nonzero(as_tuple=True)
+        first, cols = ids[b.share.key]
+        per_share.append((r, c))
+        mine.append(first + (r + b.first[0]) * cols + c + b.first[1])
+        values.append(b.amax[r, c])
+    mine_t = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
+    gathered = coordinator.all_gather((mine_t, torch.cat(values) if values else torch.zeros(0), facts))
+    if mine_t.numel():
+        every_id, every_value = torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
+        unique, where = torch.unique(mine_t, return_inverse=True)
+        pos = torch.searchsorted(unique, every_id).clamp_(max=unique.numel() - 1)
+        hit = unique[pos] == every_id
+        combined = torch.zeros(unique.numel()).scatter_reduce_(0, pos[hit], every_value[hit], "amax")[where]
+        for b, (r, c), part in zip(blocks, per_share, torch.split(combined, [len(r) for r, _ in per_share])):
+            b.amax[r, c] = part
+    return [g[2] for g in gathered]
+
+
+def _scale_share(blocks: _Blocks) -> HFShard | None:
+    """The part of the key's scale tensor this share writes (its owned blocks), or None."""
+    rows, cols = _owned_scales(blocks)
+    if not rows or not cols:
+        return None
+    (f0, f1), share = blocks.first, blocks.share
+    part = blocks.scale[rows.start - f0:rows.stop - f0, cols.start - f1:cols.stop - f1].contiguous()
+    return HFShard(share.key + SCALE_SUFFIX, _grid(share.global_shape), (rows.start, cols.start), part, True,
+                   share.source_key, share.expert)
+
+
+# --------------------------------------------------------------------------------------------------
+# The one call from the export's validate step
+# --------------------------------------------------------------------------------------------------
+
+
+def quantize_export(steps: Any, options: ExportOptions, adapter: StateDictAdapter, plan: ExportPlan,
+                    shares: list[HFShard], writer: StorageWriter
+                    ) -> tuple[ExportPlan, list[HFShard], StorageWriter]:
+    """The plan, write shares and storage writer of the FP8 checkpoint (returned unchanged unless
+    ``options.quantize``). Call on every rank in validate, after the plan and coverage checks:
+    ``steps`` (the export's step runner: ``coordinator``, ``agreed``) closes the rank-local part with
+    an agreement before the exchange. Refuses, on every rank, before anything is written."""
+    if options.quantize is None:
+        return plan, shares, writer
+    stats = Fp8WriteStats(writer_threads=options.writer_threads)
+    with steps.agreed("validate fp8"):
+        keys = quantized_keys(plan, adapter, options)
+        quantized = fp8_plan(plan, keys, options.max_shard_size)
+        started = time.perf_counter()
+        blocks = [_blocks_of(s) for s in shares if s.key in keys]
+        stats.amax_seconds = round(time.perf_counter() - started, 4)
+        batches = _batches(blocks, options.staging_bytes)
+        owned = sum(len(r) * len(c) for r, c in map(_owned_scales, blocks))
+    started = time.perf_counter()
+    facts = _exchange(blocks, _block_ids(keys, quantized), steps.coordinator, (len(batches), owned))
+    stats.exchange_seconds = round(time.perf_counter() - started, 4)
+    stats.boundary_blocks = sum(int((~b.inside).sum()) for b in blocks)
+    _check_scale_coverage(quantized, keys, sum(n for _, n in facts))
+    for b in blocks:
+        b.scale = block_scales(b.amax, options.scale_fmt)
+    scales = [s for s in map(_scale_share, blocks) if s is not None]
+    calls = max(1, *(n for n, _ in facts))  # the local-filesystem writer's write is a collective
+    return quantized, [*shares, *scales], Fp8Writer(writer, blocks, batches, calls, stats)
+
+
+def _check_scale_coverage(plan: ExportPlan, keys: Collection[str], owned: int) -> None:
+    """Every scale has exactly one writer: the owners' counts, summed over ranks, tile every grid
+    (the same verdict on every rank: the counts are gathered)."""
+    expected = sum(math.prod(plan.tensors[k + SCALE_SUFFIX].shape) for k in keys)
+    if owned != expected:
+        raise ExportInputError("FP8 scales would not be written exactly once", key=SCALE_SUFFIX,
+                               expected=f"{expected} scales, one writer each", actual=f"{owned} owned across ranks",
+                               hint="the weight shares must tile every quantized tensor; check the mesh and placements")
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing: the weight shares quantized batch by batch, through the storage writer
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Fp8WriteStats(WriteStats):
+    """A quantized export's write stats: the storage writer's, summed over its batches, and the
+    FP8 work (``boundary_blocks``: this rank's blocks that cross a shard boundary; ``batches``:
+    storage writes, the same number on every rank)."""
+
+    amax_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    boundary_blocks: int = 0
+    quantize_seconds: float = 0.0
+    batches: int = 0
+
+
+_Batch = list[tuple[_Blocks, int, int]]  # row ranges [start, stop) of weight shares
+
+
+def _batches(blocks: list[_Blocks], budget: int) -> list[_Batch]:
+    """The weight shares' rows in batches of at most ``budget`` FP8 bytes (one row at least)."""
+    batches: list[_Batch] = []
+    current: _Batch = []
+    size = 0
+    for b in blocks:
+        h, w = b.share.tensor.shape
+        step = max(1, budget // max(w, 1))
+        for start in range(0, h, step):
+            n = (min(h, start + step) - start) * w
+            if current and size + n > budget:
+                batches.append(current)
+                current, size = [], 0
+            current.append((b, start, min(h, start + step)))
+            size += n
+    return batches + [current] if current else batches
+
+
+def _quantized_rows(blocks: _Blocks, start: int, stop: int) -> HFShard:
+    """Rows ``start:stop`` of a weight share as FP8, a few block rows at a time, each row with the
+    scales of its blocks (a ``[block rows, 1, width]`` view: no scale is expanded)."""
+    share, (f0, f1), (b0, b1) = blocks.share, blocks.first, FP8_BLOCK
+    source = share.tensor[start:stop]
+    r0, c0, w = share.offsets[0] + start, share.offsets[1], source.shape[1]
+    first = r0 // b0
+    columns = (torch.arange(w) + c0) // b1 - f1
+    scales = blocks.scale[first - f0:(r0 + stop - start - 1) // b0 + 1 - f0][:, columns].to(source.device)
+    out = torch.empty(source.shape, dtype=FP8_DTYPE, device=source.device)
+    for lo, hi, block, n in _row_steps(r0, stop - start, w):
+        part = source[lo:hi].view(n, -1, w)
+        out[lo:hi] = quantize_with_scales(part, scales[block - first:block - first + n, None, :]).reshape(hi - lo, w)
+    return replace(share, offsets=(r0, c0), tensor=out)
+
+
+class Fp8Writer(StorageWriter):
+    """Writes a quantized checkpoint through another storage writer: the plain pieces (and the
+    scales) in the first of ``calls`` writes, the weight shares quantized batch by batch right
+    before their write, so at most one batch of FP8 exists at a time. Every rank makes ``calls``
+    writes, empty ones included (the local-filesystem writer's write is a collective)."""
+
+    def __init__(self, inner: StorageWriter, blocks: list[_Blocks], batches: list[_Batch], calls: int,
+                 stats: Fp8WriteStats) -> None:
+        super().__init__(inner.writer_ranks, staging_bytes=inner.staging_bytes, writer_threads=inner.writer_threads)
+        self.inner, self.batches, self.calls, self.stats = inner, batches, calls, stats
+        self._weights = {(b.share.key, b.share.offsets) for b in blocks}
+
+    def file_owners(self, plan: ExportPlan) -> dict[str, int]:
+        return self.inner.file_owners(plan)
+
+    def write(self, plan: ExportPlan, pieces: list[HFShard], directory: str) -> WriteStats:
+        started = time.perf_counter()
+        plain = [p for p in pieces if (p.key, p.offsets) not in self._weights]
+        if len(pieces) - len(plain) != len(self._weights):
+            raise RuntimeError("the FP8 writer was handed other weight shares than it quantizes")
+        stats = replace(self.stats, files_touched=set())
+        for call in range(self.calls):
+            batch = plain if call == 0 else []
+            if call < len(self.batches):
+                quantize_started = time.perf_counter()
+                batch = batch + [_quantized_rows(*rows) for rows in self.batches[call]]
+                stats.quantize_seconds += time.perf_counter() - quantize_started
+            _add(stats, self.inner.write(plan, batch, directory))
+            del batch  # this batch's FP8 goes before the next one is made
+        stats.batches, stats.quantize_seconds = self.calls, round(stats.quantize_seconds, 4)
+        stats.seconds = round(time.perf_counter() - started, 4)
+        return stats
+
+    def __repr__(self) -> str:
+        return f"Fp8Writer({self.inner!r}, calls={self.calls})"
+
+
+def _add(total: WriteStats, part: WriteStats) -> None:
+    for name in ("bytes_written", "runs", "staged_bytes", "copy_seconds", "write_seconds"):
+        setattr(total, name, round(getattr(total, name) + getattr(part, name), 4))
+    total.files_touched |= part.files_touched

@@ -1,0 +1,120 @@
+"""CPU stand-ins for the CUDA-only calls megatron-core 0.16.1 makes, for rehearsals on gloo CPU ranks.
+
+Only the tests and the recipe on CPU ranks (``megatron/recipe.py``) apply these; nothing else in
+the package imports this module, and the product code calls megatron-core as it is. Each patch names the call
+it stands in for and why the substitute computes the same thing on a CPU rank
+(docs/design.md#megatron-core-models). :func:`apply` is idempotent and process-wide: call it in each
+rank before building a model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["PATCHES", "apply"]
+
+PATCHES = (
+    "tensor_parallel.random: the CUDA RNG tracker (model_parallel_cuda_manual_seed)",
+    "torch.cuda.current_device (router.py weights and expert_bias, rotary embedding inv_freq)",
+    "MoEAlltoAllTokenDispatcher: torch.cuda.Stream and the device-to-host split copies",
+    "moe_utils.te_general_gemm (undefined without Transformer Engine)",
+    "multi_latent_attention.HAVE_TE (true without Transformer Engine)",
+    "DotProductAttention(k_channels=, v_channels=) for MLA",
+    "torch.cuda.synchronize (dist_checkpointing)",
+)
+
+_applied = False
+
+
+def apply() -> tuple[str, ...]:
+    """Install every CPU stand-in (once per process); returns :data:`PATCHES`."""
+    global _applied
+    if not _applied:
+        _rng_tracker()
+        _current_device()
+        _alltoall_host_copies()
+        _router_gemm()
+        _mla_without_te()
+        _mla_core_attention()
+        torch.cuda.synchronize = lambda *args, **kwargs: None  # nothing runs asynchronously on a CPU rank
+        _applied = True
+    return PATCHES
+
+
+def _rng_tracker() -> None:
+    """``model_parallel_cuda_manual_seed`` seeds CUDA generators and the tracker's ``fork()`` swaps
+    CUDA RNG states (attention dropout forks it on every forward). megatron's own inference tracker
+    forks nothing; on a CPU rank dropout and initialisation draw from the CPU generator, so this
+    changes no value (the tiny models have dropout 0 and initialise on the CPU)."""
+    from megatron.core.tensor_parallel import random
+
+    random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _current_device() -> None:
+    """The router moves its weight to ``torch.cuda.current_device()`` on every forward and creates
+    ``expert_bias`` there; rotary embeddings and the attention softmax offset too. On a CPU rank
+    every tensor lives on the CPU, so the CPU is "the current device"."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _alltoall_host_copies() -> None:
+    """``MoEAlltoAllTokenDispatcher`` creates a ``torch.cuda.Stream`` (only while its class
+    attribute is None) and ``_maybe_dtoh_and_synchronize`` copies the split sizes to the host on
+    it as numpy arrays; ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` leaves CPU tensors as
+    tensors, which the all-to-all cannot take as split sizes. Here: no stream, and the same
+    numpy arrays from tensors that are already in host memory."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
+
+    def host_splits(self: Any, point: str, tokens_per_expert: torch.Tensor | None = None) -> Any:
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for name in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, name, None)
+                if isinstance(value, torch.Tensor):
+                    setattr(self, name, value.numpy())
+        return tokens_per_expert
+
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
+
+
+def _router_gemm() -> None:
+    """``moe_utils`` imports ``te_general_gemm`` with the fused kernels in one try block; without
+    Transformer Engine the name is never bound and the router's ``router_gating_linear`` raises
+    NameError. megatron's extensions module defines it as None without TE; None selects the
+    router's own ``torch.mm`` path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _mla_without_te() -> None:
+    """``multi_latent_attention`` sets ``HAVE_TE = True`` whenever megatron's extensions module
+    imports, which it does without Transformer Engine (its classes are stubs), and then takes
+    TE-only paths. Without TE the truth is False."""
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = False
+
+
+def _mla_core_attention() -> None:
+    """MLA builds its core attention with ``k_channels`` / ``v_channels`` (query-key and value head
+    sizes differ), which only TE's attention accepts. The local ``DotProductAttention`` computes
+    ``q @ k^T`` at any head size and views its output as heads x ``kv_channels``, so it is exact
+    when ``v_channels == kv_channels``; the stand-in asserts that and drops the two arguments."""
+    from megatron.core.models import backends
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, config: Any, *args: Any, k_channels: int | None = None,
+                     v_channels: int | None = None, **kwargs: Any) -> None:
+            if v_channels is not None and v_channels != config.kv_channels:
+                raise ValueError(f"the CPU stand-in needs v_head_dim == kv_channels ({v_channels} != "
+                                 f"{config.kv_channels})")
+            super().__init__(config, *args, **kwargs)
+
+    backends.LocalSpecProvider.core_attention = lambda self: MLADotProductAttention

@@ -1,0 +1,282 @@
+"""Everything about a recipe's config that can be checked before any process group, model or step.
+
+A late config error costs a whole training run, so the recipe refuses, up front and in one line,
+whatever it can know is wrong from the config, the world size and the filesystem
+(docs/design.md#faults-and-how-each-is-reported):
+
+* keys and stages (``validate_config``, :func:`check_stages`);
+* the parallel layout against the world size and the model: the strategy and device are known
+  ones, HSDP replicas and the EP size divide the ranks, the EP size divides the expert count;
+* the model, trainer and synthetic-data numbers (a family we can build, positive sizes and counts,
+  enough dev questions for ``k_shot``);
+* paths that must exist: ``mmlu.data_path`` (loaded, so an empty or non-UTF-8 file is named now),
+  ``export.from_checkpoint`` (a training checkpoint whose tensors fit the configured model) and the
+  export target's parent.
+
+``recipe/stages.py`` runs these, and then builds every stage's options, on every rank before
+``init_distributed``; the ``--nproc`` launcher runs the same checks once before it starts torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from nemo_moe_export.config import STAGES, validate_config
+from nemo_moe_export.errors import ExportInputError
+
+__all__ = ["check_config", "check_export_target", "check_stages", "export_target"]
+
+CHECKPOINT_METADATA = ".metadata"  # what torch.distributed.checkpoint writes beside its shards
+
+
+def check_config(cfg: Any, world_size: int | None = None) -> list[str]:
+    """Check ``cfg`` for a run on ``world_size`` ranks (None: one process, nothing is sharded);
+    returns the stages to run."""
+    validate_config(cfg)
+    stages = check_stages(cfg)
+    check_parallel(cfg.parallel, cfg.model, world_size)
+    _check_model(cfg.model)
+    _check_trainer(cfg.trainer, stages)
+    _check_data(cfg, stages)
+    if cfg.export.from_checkpoint:
+        check_training_checkpoint(cfg.export.from_checkpoint, cfg.model)
+    if "export" in stages:
+        _check_target_parent(export_target(cfg, os.path.abspath(cfg.run_dir)), os.path.abspath(cfg.run_dir))
+    return stages
+
+
+def check_stages(cfg: Any) -> list[str]:
+    """Stages must be known, unique and in pipeline order; a stage run alone must have its inputs."""
+    stages = list(cfg.stages)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ExportInputError("unknown stage", key="stages", expected=f"a subset of {list(STAGES)}",
+                               actual=unknown)
+    if len(set(stages)) != len(stages) or stages != sorted(stages, key=STAGES.index):
+        raise ExportInputError("stages must be unique and in pipeline order", key="stages",
+                               expected=[s for s in STAGES if s in stages], actual=stages)
+    if "train" not in stages and {"mmlu", "export"} & set(stages) and not cfg.export.from_checkpoint:
+        raise ExportInputError(
+            "mmlu/export without train need a trained checkpoint", key="export.from_checkpoint",
+            expected="a checkpoint directory written by the train stage ({run_dir}/checkpoint)", actual=None,
+            hint="run with stages=[export] export.from_checkpoint=runs/<name>/checkpoint",
+        )
+    return stages
+
+
+def export_target(cfg: Any, run_dir: str) -> str:
+    """Where the export writes (and verify reads): ``export.output_dir``, else ``{run_dir}/hf``."""
+    return os.path.abspath(cfg.export.output_dir or os.path.join(run_dir, "hf"))
+
+
+def check_export_target(target: str, overwrite: str) -> None:
+    """Refuse an existing export target up front when ``overwrite`` is ``"error"``: re-running a
+    recipe into the same ``run_dir`` fails in a second, not after training (the export step
+    itself would refuse it only then)."""
+    if overwrite == "error" and os.path.exists(target):
+        raise ExportInputError(
+            "export target already exists", key="export.output_dir",
+            expected=f"no directory at {target} (export.overwrite=error)", actual="an existing path",
+            hint="pass export.overwrite=replace to replace it atomically after training, "
+                 "or choose another run_dir or export.output_dir",
+        )
+
+
+def _check_target_parent(target: str, run_dir: str) -> None:
+    """The export writes beside its target: the parent must exist (``run_dir`` is created by the run)."""
+    parent = os.path.dirname(target)
+    if parent != run_dir and not os.path.isdir(parent):
+        raise ExportInputError("the export target's folder does not exist", key="export.output_dir",
+                               expected=f"an existing directory {parent}", actual="missing",
+                               hint="create it first, or point export.output_dir into an existing folder")
+
+
+# --- parallel layout and model ----------------------------------------------------------------------
+
+
+def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
+    """The strategy and device are known; on ``world_size`` ranks, HSDP replicas and the EP size
+    divide the ranks and the EP size divides the expert count (experts split in equal blocks)."""
+    from nemo_moe_export.parallel import DEVICES
+    from nemo_moe_export.recipe.trainer import STRATEGIES
+
+    _choice("parallel.strategy", parallel.strategy, STRATEGIES, "unknown parallel strategy")
+    _choice("parallel.device", parallel.device, DEVICES, "unknown device")
+    _positive("parallel.timeout_s", parallel.timeout_s, number=True)
+    _positive("parallel.ep_size", parallel.ep_size)
+    _positive("parallel.replicate", parallel.replicate)
+    if world_size is None:
+        return  # one process: nothing is sharded (trainer.shard_model)
+    if parallel.strategy == "hsdp" and world_size % parallel.replicate:
+        raise ExportInputError(
+            "HSDP replicas must divide the ranks", key="parallel.replicate",
+            expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=parallel.replicate)
+    if parallel.strategy in ("ep", "ep_fsdp"):
+        ep = parallel.ep_size
+        if world_size % ep:
+            raise ExportInputError(
+                "the expert-parallel size must divide the ranks", key="parallel.ep_size",
+                expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=ep,
+                hint="change parallel.ep_size or the number of ranks (--nproc)")
+        if model.n_experts % ep:
+            fits = [d for d in _divisors(world_size) if model.n_experts % d == 0]
+            raise ExportInputError(
+                "the expert count must divide by the expert-parallel size", key="parallel.ep_size",
+                expected=f"a divisor of model.n_experts={model.n_experts} and of {world_size} ranks: {fits}",
+                actual=ep, hint=f"or make model.n_experts a multiple of {ep}")
+
+
+def _check_model(model: Any) -> None:
+    import torch
+
+    from nemo_moe_export.recipe.trainer import BACKENDS
+    from nemo_moe_export.tiny_models import FAMILIES
+
+    _choice("model.backend", model.backend, BACKENDS, "unknown model backend")
+    _choice("model.family", model.family, FAMILIES, "unknown model family")
+    dtype = getattr(torch, str(model.dtype), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ExportInputError("unknown parameter dtype", key="model.dtype", expected="float32 | bfloat16",
+                               actual=repr(model.dtype))
+    for name in ("n_experts", "hidden_size", "moe_intermediate_size", "num_layers"):
+        _positive(f"model.{name}", getattr(model, name))
+
+
+def _check_trainer(trainer: Any, stages: list[str]) -> None:
+    if "train" in stages:
+        _positive("trainer.max_steps", trainer.max_steps)
+    _positive("trainer.batch_size", trainer.batch_size)
+    _positive("trainer.log_every", trainer.log_every)
+    _positive("trainer.lr", trainer.lr, number=True)
+    for name in ("warmup_steps", "grad_clip", "weight_decay"):
+        value = getattr(trainer, name)
+        if value < 0:
+            raise ExportInputError("must not be negative", key=f"trainer.{name}", expected=">= 0", actual=value)
+
+
+# --- data and checkpoints --------------------------------------------------------------------------
+
+
+def _check_data(cfg: Any, stages: list[str]) -> None:
+    """The data the run will read: the synthetic corpus' numbers, or ``mmlu.data_path`` loaded now."""
+    evaluates = cfg.mmlu.enabled and bool({"train", "mmlu", "verify"} & set(stages))
+    if "train" not in stages and not evaluates:
+        return
+    if cfg.mmlu.data_path is None:
+        _check_synthetic_data(cfg, stages, evaluates)
+        return
+    from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
+
+    splits = ["dev"] + (["train"] if "train" in stages else []) + ([cfg.mmlu.split] if evaluates else [])
+    try:
+        questions = load_mmlu(cfg.mmlu.data_path, splits=splits,
+                              subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None)
+    except ExportInputError as exc:  # the loader names the file; say which setting led there
+        raise ExportInputError(f"mmlu.data_path: {exc.problem}", key=exc.key, expected=exc.expected,
+                               actual=exc.actual, hint=exc.hint) from exc
+    if evaluates:
+        subjects = {q.subject for q in questions if q.split == cfg.mmlu.split}
+        require_dev_examples([q for q in questions if q.split == "dev"], subjects, cfg.mmlu.k_shot)
+
+
+def _check_synthetic_data(cfg: Any, stages: list[str], evaluates: bool) -> None:
+    from nemo_moe_export.recipe.data import SUBJECTS
+
+    data = cfg.data
+    unknown = sorted(set(data.subjects or ()) - set(SUBJECTS))
+    if unknown:
+        raise ExportInputError("unknown synthetic subject", key="data.subjects", expected=f"some of {list(SUBJECTS)}",
+                               actual=unknown, hint="or give your own data with mmlu.data_path")
+    written = set(data.subjects or SUBJECTS)
+    missing = sorted(set(cfg.mmlu.subjects or ()) - written)
+    if evaluates and missing:
+        raise ExportInputError("MMLU subject(s) not in the synthetic corpus", key="mmlu.subjects",
+                               expected=f"some of {sorted(written)}", actual=missing)
+    if evaluates and cfg.mmlu.split != "test":
+        raise ExportInputError("the synthetic corpus has no such split", key="mmlu.split", expected="'test'",
+                               actual=repr(cfg.mmlu.split), hint="or give your own data with mmlu.data_path")
+    _positive("data.n_dev", data.n_dev)
+    if "train" in stages:
+        _positive("data.n_train", data.n_train)
+    if evaluates:
+        _positive("data.n_test", data.n_test)
+        if data.n_dev < cfg.mmlu.k_shot:
+            raise ExportInputError("fewer dev questions than few-shot examples", key="data.n_dev",
+                                   expected=f">= mmlu.k_shot={cfg.mmlu.k_shot}", actual=data.n_dev)
+
+
+def check_training_checkpoint(path: str, model: Any) -> None:
+    """``path`` is what the train stage saves (a torch DCP checkpoint plus ``tokenizer/``), and its
+    tensors are the ones the configured model has, shape for shape."""
+    problem = _not_a_training_checkpoint(path)
+    if problem:
+        raise ExportInputError(
+            "export.from_checkpoint is not a training checkpoint", key="export.from_checkpoint",
+            expected=f"a directory written by the train stage ({CHECKPOINT_METADATA} and tokenizer/)",
+            actual=f"{path}: {problem}", hint="point it at {run_dir}/checkpoint of a finished training run")
+    if model.backend != "transformers":
+        return  # megatron-core's dist_checkpointing names its tensors its own way; it checks them on load
+    stored = _stored_shapes(path)
+    expected = _model_shapes(model, stored)
+    differ = sorted(k for k in set(stored) | set(expected) if stored.get(k) != expected.get(k))
+    if differ:
+        key = differ[0]
+        raise ExportInputError(
+            f"export.from_checkpoint does not fit the configured model ({len(differ)} tensor(s) differ)",
+            key=key, expected=f"shape {expected.get(key, 'absent')} (the model config builds)",
+            actual=f"{stored.get(key, 'absent')} in {path}",
+            hint="use the model preset and overrides the checkpoint was trained with (its run's config.json)")
+
+
+def _not_a_training_checkpoint(path: str) -> str | None:
+    if not os.path.exists(path):
+        return "no such directory"
+    if not os.path.isdir(path):
+        return "a file, not a directory"
+    missing = [n for n in (CHECKPOINT_METADATA, "tokenizer") if not os.path.exists(os.path.join(path, n))]
+    if missing:
+        return f"no {' or '.join(missing)} in it (found {sorted(os.listdir(path))[:10]})"
+    return None
+
+
+def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # a truncated or foreign .metadata file
+        raise ExportInputError("unreadable training checkpoint metadata", key="export.from_checkpoint",
+                               expected="a torch.distributed.checkpoint .metadata file",
+                               actual=f"{os.path.join(path, CHECKPOINT_METADATA)}: {type(exc).__name__}: {exc}",
+                               ) from exc
+    return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+
+
+def _model_shapes(model_cfg: Any, stored: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shapes of the configured model's state dict, built on the meta device (no memory, no init);
+    the vocabulary is the checkpoint's own (its tokenizer's), as the restore builds it."""
+    from nemo_moe_export.recipe.trainer import build_model
+
+    embedding = next((shape for key, shape in stored.items() if key.endswith("embed_tokens.weight")), (2,))
+    model = build_model(model_cfg, vocab_size=embedding[0], device="meta")
+    return {k: tuple(t.shape) for k, t in model.state_dict().items()}
+
+
+# --- small checks ------------------------------------------------------------------------------------
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...], problem: str) -> None:
+    if value not in allowed:
+        raise ExportInputError(problem, key=key, expected=f"one of {list(allowed)}", actual=repr(value))
+
+
+def _positive(key: str, value: Any, *, number: bool = False) -> None:
+    kinds = (int, float) if number else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        raise ExportInputError("must be positive", key=key, expected="a number > 0" if number else "an integer >= 1",
+                               actual=repr(value))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,157 @@
+"""The step agreement (``parallel.Coordinator``) on real gloo ranks: every failure is named, on
+every rank, with the original exception; a stalled or killed rank is named by every survivor
+within seconds, also when the job was launched like srun (rank 0 hosts the rendezvous store).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+from nemo_moe_export.spawn import spawn
+
+STALL_TIMEOUT_S = 2.0
+
+
+def _protocol_cases(rank: int, world: int) -> dict:
+    """One process tree, three cases: a raising rank, a stalled rank, a clean agreement after."""
+    from nemo_moe_export.parallel import Coordinator, PeerError
+
+    out = {}
+    raising = Coordinator(None, timeout_s=30, name="job")
+    try:
+        raising.agree("load", ValueError("bad shard 7") if rank == 2 else None)
+        out["raised"] = None
+    except PeerError as exc:
+        out["raised"] = {"ranks": exc.ranks, "step": exc.step, "message": str(exc)}
+
+    stalling = Coordinator(None, timeout_s=STALL_TIMEOUT_S, name="job")
+    stalling.agree("warm up")
+    started = time.monotonic()
+    if rank == 1:
+        time.sleep(4 * STALL_TIMEOUT_S)
+    try:
+        stalling.agree("write")
+        out["stalled"] = None
+    except PeerError as exc:
+        out["stalled"] = {"ranks": exc.ranks, "message": str(exc), "seconds": time.monotonic() - started}
+
+    fresh = Coordinator(None, timeout_s=30, name="next")
+    fresh.agree("after")  # a broken coordinator does not poison a new one
+    out["fresh"] = "ok"
+    return out
+
+
+def test_failures_and_stalls_are_named_on_every_rank():
+    per_rank = spawn(_protocol_cases, 4, timeout_s=120)
+    for outcome in per_rank:
+        raised = outcome["raised"]
+        assert raised["ranks"] == [2] and raised["step"] == "load", raised
+        assert "rank 2: ValueError: bad shard 7" in raised["message"]  # the original exception, everywhere
+        assert outcome["fresh"] == "ok"
+    for rank in (0, 2, 3):
+        stalled = per_rank[rank]["stalled"]
+        assert stalled["ranks"] == [1], stalled  # every survivor names the stalled rank, not only rank 0
+        assert f"not every rank arrived within {STALL_TIMEOUT_S:.0f} s" in stalled["message"]
+        assert stalled["seconds"] < 4 * STALL_TIMEOUT_S, stalled  # gave up before rank 1 woke
+    late = per_rank[1]["stalled"]
+    assert late["ranks"] == [1] and "arrived after its peers had given up" in late["message"], late
+
+
+# --------------------------------------------------------------------------------------------------
+# A rank killed in the export's write step, launched like srun (no torchrun: rank 0 hosts the store)
+# --------------------------------------------------------------------------------------------------
+
+_KILLED_WORKER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import torch.distributed as dist
+    from nemo_moe_export.export import SharedFilesystemWriter, export_hf_checkpoint
+    from nemo_moe_export.parallel import PeerError
+    from nemo_moe_export.tiny_models import tiny_model
+
+    rank, victim, target, report = int(os.environ["RANK"]), int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    model = tiny_model("qwen3_moe", n_experts=4)
+    real_write = SharedFilesystemWriter.write
+
+    def write(self, *args, **kwargs):
+        if rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(report + ".fault", "w") as f:
+            f.write(str(time.time()))
+        return real_write(self, *args, **kwargs)
+
+    SharedFilesystemWriter.write = write
+    try:
+        export_hf_checkpoint(target, model, timeout_s=60)
+        outcome = {"error": None}
+    except PeerError as exc:
+        outcome = {"step": exc.step, "ranks": exc.ranks, "message": str(exc), "at": time.time()}
+    with open(f"{report}.{rank}", "w") as f:
+        json.dump(outcome, f)
+    os._exit(0)  # the group is broken: skip destroy_process_group's goodbyes
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_like_srun(tmp_path, victim: int, world: int = 4) -> list[dict | None]:
+    script = tmp_path / "worker.py"
+    script.write_text(_KILLED_WORKER)
+    report = str(tmp_path / "report")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(victim), str(tmp_path / "hf"), report],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path)
+             for r in range(world)]
+    for p in procs:
+        try:
+            p.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    assert procs[victim].returncode == -signal.SIGKILL
+    fault_at = float(open(report + ".fault").read())
+    outcomes = []
+    for r in range(world):
+        path = f"{report}.{r}"
+        outcome = json.load(open(path)) if os.path.exists(path) else None
+        if outcome and "at" in outcome:
+            outcome["seconds_after_fault"] = outcome.pop("at") - fault_at
+        outcomes.append(outcome)
+    return outcomes
+
+
+def test_a_killed_rank_is_named_by_every_survivor(tmp_path):
+    outcomes = _launch_like_srun(tmp_path, victim=2)
+    for rank in (0, 1, 3):
+        outcome = outcomes[rank]
+        assert outcome is not None and outcome["step"] == "write", outcome
+        assert outcome["ranks"] == [2], outcome
+        assert "ranks [2] sent no report" in outcome["message"]
+        assert outcome["seconds_after_fault"] < 15, outcome  # seconds, not the 60 s timeout
+    assert not os.path.exists(tmp_path / "hf")
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".hf")] == []
+
+
+def test_a_killed_rank_0_is_named_although_it_hosted_the_store(tmp_path):
+    outcomes = _launch_like_srun(tmp_path, victim=0)
+    for rank in (1, 2, 3):
+        outcome = outcomes[rank]
+        assert outcome is not None and outcome["step"] == "write", outcome
+        assert outcome["ranks"] == [0], outcome
+        assert "rendezvous store is unreachable" in outcome["message"] and "rank 0" in outcome["message"]
+        assert outcome["seconds_after_fault"] < 15, outcome
+    assert not os.path.exists(tmp_path / "hf")
+    left = [n for n in os.listdir(tmp_path) if n.startswith(".hf")]
+    assert left == [], f"the survivors must clean what rank 0 could not: {left}"
