@@ -40,10 +40,13 @@ def _build_sharded(args, world):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    # Shards differ per rank; a plain tensor (a buffer every rank holds) is the same on every rank,
+    # as training keeps it (the export compares replicas and refuses copies that differ).
+    shards = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    plain = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
-            local = t.to_local() if hasattr(t, "to_local") else t
+            local, gen = (t.to_local(), shards) if hasattr(t, "to_local") else (t, plain)
             if local.is_floating_point():
                 local.copy_(torch.randn(local.shape, generator=gen, dtype=torch.float32) * 0.02)
     return model

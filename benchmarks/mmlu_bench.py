@@ -9,8 +9,9 @@ prepared rows, one after the other:
 * ``plain_forward_b{8,16,32,64}``: the model's own batched forward of the sorted, right-padded
   rows with ``logits_to_keep=1`` (no scoring, no agreements): the speed limit of full prompts;
 * ``evaluator_b{8,16,32,64}``: ``evaluate_mmlu`` with fixed batches of that many rows
-  (``tokens_per_batch=0, shared_prefix=False``), and ``vs_plain`` = its questions/s over the plain
-  forward's at the same batching;
+  (``tokens_per_batch=0, shared_prefix=False``), run back to back with the plain forward at the
+  same batching (alternating which goes first), and ``vs_plain`` = the median over repeats of
+  plain seconds / evaluator seconds of each such pair;
 * ``evaluator_tokens_{N}`` / ``evaluator_tokens_default``: batches sized by a token budget
   (``tokens_per_batch=N``; ``default`` = derived from the device's memory);
 * ``shared_prefix`` (and ``shared_prefix_tokens_{N}``): each subject's k-shot prefix once, its KV
@@ -224,16 +225,28 @@ def _timed(fn: Any, model: Any) -> tuple[Any, float]:
     return out, time.perf_counter() - started
 
 
-def _configurations(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | int]]:
-    """(name, evaluate_mmlu overrides) or (name, batch size) for a plain forward."""
-    configs: list[tuple[str, dict[str, Any] | int]] = [(f"plain_forward_b{b}", b) for b in FIXED_BATCHES]
-    configs += [(f"evaluator_b{b}", {"tokens_per_batch": 0, "batch_size": b, "shared_prefix": False})
-                for b in FIXED_BATCHES]
-    configs += [(f"evaluator_tokens_{t}", {"tokens_per_batch": t, "shared_prefix": False}) for t in args.budgets]
-    configs.append(("evaluator_tokens_default", {"shared_prefix": False}))
-    configs.append(("shared_prefix", {}))
-    configs += [(f"shared_prefix_tokens_{t}", {"tokens_per_batch": t}) for t in args.budgets]
-    return configs
+def _configurations(args: argparse.Namespace) -> list[list[tuple[str, dict[str, Any] | int]]]:
+    """Groups of (name, evaluate_mmlu overrides) or (name, batch size) for a plain forward. A
+    plain forward and the evaluator at the same batch size form one group: they run back to back,
+    in alternating order, so their ratio is taken over the same moment's machine (a shared box's
+    load drifts between configurations minutes apart)."""
+    groups: list[list[tuple[str, dict[str, Any] | int]]] = [
+        [(f"plain_forward_b{b}", b), (f"evaluator_b{b}", {"tokens_per_batch": 0, "batch_size": b,
+                                                         "shared_prefix": False})]
+        for b in FIXED_BATCHES]
+    groups += [[(f"evaluator_tokens_{t}", {"tokens_per_batch": t, "shared_prefix": False})] for t in args.budgets]
+    groups.append([("evaluator_tokens_default", {"shared_prefix": False})])
+    groups.append([("shared_prefix", {})])
+    groups += [[(f"shared_prefix_tokens_{t}", {"tokens_per_batch": t})] for t in args.budgets]
+    return groups
+
+
+def _run_order(groups: list[list[Any]], repeat: int, repeats: int) -> list[Any]:
+    """Repeat ``repeat``'s order: the groups rotated (no configuration always runs first), each
+    pair reversed on odd repeats (neither member always runs second)."""
+    start = repeat * len(groups) // repeats
+    return [config for group in groups[start:] + groups[:start]
+            for config in (group[::-1] if repeat % 2 else group)]
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, data_dir: str, tok_dir: str) -> dict[str, Any]:
@@ -264,10 +277,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, data_dir: str, tok_
         evaluate(warm, **overrides)
     runs: dict[str, list[dict[str, Any]]] = {}
     predictions: dict[str, Any] = {}
-    configs = _configurations(args)
+    groups = _configurations(args)
     for repeat in range(args.repeat):
-        start = repeat * len(configs) // args.repeat  # each repeat in another order: no config always runs first
-        for name, config in configs[start:] + configs[:start]:
+        for name, config in _run_order(groups, repeat, args.repeat):
             if rank == 0:
                 print(f"[mmlu_bench] run {repeat + 1}/{args.repeat}: {name}", file=sys.stderr, flush=True)
             if isinstance(config, int):
@@ -282,7 +294,8 @@ def _worker(rank: int, world: int, args: argparse.Namespace, data_dir: str, tok_
                                               "tokens_per_batch": result.scoring["tokens_per_batch"],
                                               "prefix_batches": result.scoring["prefix_batches"]})
     return {"runs": runs, "scores": predictions, "active_parameters": active,
-            "default_tokens_per_batch": default_tokens_per_batch(model), "workload": workload_stats(prepared)}
+            "default_tokens_per_batch": {"full_prompts": default_tokens_per_batch(model, shared_prefix=False),
+                                         "shared_prefix": default_tokens_per_batch(model, shared_prefix=True)}, "workload": workload_stats(prepared)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,9 +328,11 @@ def report(result: dict[str, Any], args: argparse.Namespace, load: tuple[float, 
 
     work, active = result["workload"], result["active_parameters"]
     entries = {name: _summary(runs, work, active) for name, runs in result["runs"].items()}
-    for b in FIXED_BATCHES:
-        entries[f"evaluator_b{b}"]["vs_plain"] = (entries[f"evaluator_b{b}"]["questions_per_s"]
-                                                   / entries[f"plain_forward_b{b}"]["questions_per_s"])
+    for b in FIXED_BATCHES:  # per repeat, the pair ran back to back: the median of its ratios
+        pairs = zip(result["runs"][f"plain_forward_b{b}"], result["runs"][f"evaluator_b{b}"])
+        ratios = [plain["seconds"] / evaluator["seconds"] for plain, evaluator in pairs]
+        entries[f"evaluator_b{b}"]["vs_plain"] = statistics.median(ratios)
+        entries[f"evaluator_b{b}"]["vs_plain_per_repeat"] = [round(r, 4) for r in ratios]
     best_plain = max(entries[f"plain_forward_b{b}"]["questions_per_s"] for b in FIXED_BATCHES)
     best_fixed = max(entries[f"evaluator_b{b}"]["questions_per_s"] for b in FIXED_BATCHES)
     token_runs = [n for n in entries if n.startswith("evaluator_tokens_")]

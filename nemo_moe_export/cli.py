@@ -2,6 +2,9 @@
 
     nemo-moe-export [recipe=NAME] [hydra overrides...] [--nproc N] [--config-dir DIR]... [--debug]   run a recipe
     nemo-moe-export verify DIR [--reference REF] [--tp 1,2,4,8]      check an HF checkpoint (--tp: servable)
+    nemo-moe-export plan (--config CONFIG.json | --model-preset NAME | --recipe NAME [overrides...])
+                    --world W [--layout fsdp|hsdp|ep|ep_fsdp] [--replicate R] [--ep E] [--json] ...
+                                                                     what every rank will write, and how long
     nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
                                                                      the same as a NeMo-Run job
 
@@ -166,9 +169,111 @@ def verify_main(argv: list[str]) -> int:
     return 0 if report.ok else 1
 
 
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _bandwidth(text: str) -> float:
+    """``2GB`` (per second), ``500MiB``, or bytes per second."""
+    import argparse
+
+    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.export.options import parse_size
+
+    try:
+        return float(parse_size(text.removesuffix("/s")))
+    except ExportInputError:
+        raise argparse.ArgumentTypeError(f"expected a bandwidth such as 2GB (per second), got {text!r}") from None
+
+
+def plan_main(argv: list[str]) -> int:
+    """``nemo-moe-export plan``: the planner (docs/design.md#planner); input errors are one line, status 2."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(
+        prog="nemo-moe-export plan",
+        description="Simulate every rank of an export (and MMLU) on the meta device: bytes, files, memory, time.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--config", help="an HF config.json (or its directory)")
+    source.add_argument("--model-preset", help="a preset of nemo_moe_export/conf/model, e.g. deepseek_v3_tiny")
+    source.add_argument("--recipe", help="a recipe name; Hydra overrides may follow")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe (with --recipe)")
+    parser.add_argument("--config-dir", action="append", default=[], help="recipe folders ahead of the packaged ones")
+    parser.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
+    parser.add_argument("--layout", choices=("fsdp", "hsdp", "ep", "ep_fsdp"), help="default: the recipe's, else fsdp")
+    parser.add_argument("--replicate", type=_positive_int, help="HSDP replicas (R of R x W/R)")
+    parser.add_argument("--ep", type=_positive_int, help="expert-parallel size (EP x expert-DP)")
+    parser.add_argument("--dtype", help="export dtype (e.g. bfloat16); default: the recipe's, else the model's")
+    parser.add_argument("--max-shard-size", help="per file, e.g. 5GB")
+    parser.add_argument("--staging-bytes", type=_positive_int, help="per staging buffer")
+    parser.add_argument("--writer-threads", type=_positive_int, help="pwrite threads per rank")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda",
+                        help="where the shards live (cuda: every byte goes through pinned staging)")
+    parser.add_argument("--node-bandwidth", type=_bandwidth, default=2e9, help="write bandwidth of one node (2GB)")
+    parser.add_argument("--ranks-per-node", type=_positive_int, default=8)
+    parser.add_argument("--checksum-bandwidth", type=_bandwidth, help="bytes/s a rank checksums (cuda 1TB, cpu 5GB)")
+    parser.add_argument("--mmlu", help="MMLU question folder: plan the evaluation too (needs --tokenizer)")
+    parser.add_argument("--tokenizer", help="tokenizer directory for --mmlu")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--per-rank", action="store_true", help="with --json: every rank's numbers")
+    args = parser.parse_args(argv)
+    if args.overrides and not args.recipe:
+        parser.error("overrides apply to --recipe only")
+    if bool(args.mmlu) != bool(args.tokenizer):
+        parser.error("--mmlu and --tokenizer go together")
+    report = _plan_report(args)
+    print(json.dumps(report, indent=1) if args.json else _plan_table(report))
+    return 0
+
+
+def _plan_report(args: Any) -> dict:
+    from dataclasses import replace
+
+    from nemo_moe_export.config import ParallelConfig
+    from nemo_moe_export.export.options import ExportOptions
+    from nemo_moe_export.planner import TimeModel, plan_job
+    from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
+
+    if args.recipe:
+        target = from_recipe(args.recipe, args.overrides, args.config_dir)
+    else:
+        target = (from_config_file if args.config else from_preset)(args.config or args.model_preset,
+                                                                     ParallelConfig(), ExportOptions())
+    parallel = replace(target.parallel, strategy=args.layout or target.parallel.strategy)
+    if args.replicate:
+        parallel = replace(parallel, replicate=args.replicate)
+    if args.ep:
+        parallel = replace(parallel, ep_size=args.ep)
+    overrides = {k: v for k, v in dict(dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                       staging_bytes=args.staging_bytes, writer_threads=args.writer_threads).items()
+                 if v is not None}
+    target = replace(target, parallel=parallel, export=ExportOptions.of(target.export, **overrides))
+    checksum = args.checksum_bandwidth or (1e12 if args.device == "cuda" else 5e9)
+    model = TimeModel(args.node_bandwidth, args.ranks_per_node, checksum_bandwidth=checksum)
+    mmlu = (args.mmlu, args.tokenizer) if args.mmlu else None
+    return plan_job(target, args.world, model, device=args.device, per_rank=args.per_rank, mmlu=mmlu)
+
+
+def _plan_table(report: dict) -> str:
+    from nemo_moe_export.planner import format_table
+
+    return format_table(report)
+
+
 def _run(argv: list[str]) -> int:
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
+    if argv and argv[0] == "plan":
+        return plan_main(argv[1:])
     if argv and argv[0] == "launch":
         from nemo_moe_export.integrations.nemo_run import launch_main
 

@@ -7,7 +7,10 @@ timeout (cost growing like log W), so that:
 * a rank that raised makes every rank raise the same error, naming the failing ranks, the step and
   each failing rank's original exception;
 * a rank that died or stalls makes every other rank raise (within the timeout, or within seconds
-  when its connection closed), naming the ranks that sent no report, instead of hanging.
+  when its connection closed), naming the ranks that sent no report, instead of hanging;
+* a rank that failed inside a collective step, whose peers may be blocked in that step's
+  collectives, can :meth:`Coordinator.leave` instead of agreeing: it reports through the store and
+  raises at once, and its peers name it at their next agreement.
 
 Coordination runs on a gloo group (a side group when the default backend is NCCL), because gloo
 honours timeouts on CPU; a broken agreement is diagnosed through the rendezvous store, which
@@ -119,14 +122,18 @@ def init_distributed(device: str, timeout_s: float) -> None:
 _ALARM_CHECK_AFTER_S = 1.0
 _ALARM_CHECK_EVERY_S = 0.5
 _REPORT_GRACE_S = 5.0  # how long survivors wait for each other's reports once an agreement broke
+# How long a rank that leaves after failing a step waits for reports: peers waiting at the agreement
+# answer its alarm within about a second; peers blocked in a collective that needs it cannot answer
+# before its process ends, which its waiting only delays.
+_LEAVE_GRACE_S = 2.0
 
 
 class _Incomplete(Exception):
     """The agreement's all-reduce did not finish: timeout, a broken connection, or a peer's alarm."""
 
-    def __init__(self, reason: str, cause: BaseException | None = None) -> None:
+    def __init__(self, reason: str, cause: BaseException | None = None, alarm: str | None = None) -> None:
         super().__init__(reason)
-        self.reason, self.cause = reason, cause
+        self.reason, self.cause, self.alarm = reason, cause, alarm
 
 
 def _describe(error: BaseException) -> str:
@@ -189,6 +196,28 @@ class Coordinator:
             raise self._reports.diagnose(step, error, incomplete) from (error or incomplete.cause)
         if int(failed) != 0:
             raise self._failure(step, error)
+
+    def leave(self, step: str, error: BaseException) -> PeerError:
+        """The error to raise on a rank that failed inside a collective step and will not attend
+        the next agreement (docs/design.md#coordination-protocol).
+
+        Its peers may be blocked in a collective that needs it, which nothing ends but this rank's
+        process ending (or the collective's timeout): waiting at the agreement would keep every rank
+        waiting for that timeout. So the rank posts its failure as its report to the next agreement
+        and raises that agreement's alarm (peers waiting there give up within about a second and
+        name it), waits up to the report grace for the others' reports, and the caller raises what
+        this returns. The coordinator is broken afterwards.
+        """
+        if not self.active:
+            return PeerError(f"{self.name} step '{step}' failed on rank {self.rank}: {_describe(error)}",
+                             step=step, ranks=[self.rank])
+        self._reports.next_agreement()
+        self._broken_at = step
+        me = self._reports.me
+        leaving = _Incomplete("its peers may be blocked in a collective that needs it",
+                              alarm=f"rank {me} failed during {self.name} step '{step}' and left without agreeing")
+        head = f"{self.name} step '{step}' failed on rank {me}, which left without agreeing"
+        return self._reports.diagnose(step, error, leaving, grace_s=_LEAVE_GRACE_S, head=head)
 
     def _all_reduce_in_time(self, status: torch.Tensor) -> None:
         """Sum ``status`` over the group, or raise ``_Incomplete`` at the timeout, on a broken
@@ -299,11 +328,12 @@ class _StoreReports:
         key = self._key("alarm")
         return self.store.get(key).decode() if self.store.check([key]) else None
 
-    def diagnose(self, step: str, error: BaseException | None, incomplete: _Incomplete) -> PeerError:
+    def diagnose(self, step: str, error: BaseException | None, incomplete: _Incomplete, *,
+                 head: str | None = None, grace_s: float = _REPORT_GRACE_S) -> PeerError:
         coordinator = self.coordinator
-        head = f"{coordinator.name} step '{step}' could not be agreed (seen from rank {self.me})"
+        head = head or f"{coordinator.name} step '{step}' could not be agreed (seen from rank {self.me})"
         try:
-            reports = self._exchange_reports(error, incomplete)
+            reports = self._exchange_reports(error, incomplete, grace_s)
         except Exception as exc:  # the store's host is gone too
             host = 0 if _store_hosted_by_rank0(self.store) else None
             return PeerError(f"{head}: {incomplete.reason}; the rendezvous store is unreachable as well "
@@ -318,20 +348,22 @@ class _StoreReports:
             return PeerError(f"{head}: this rank arrived after its peers had given up ({alarm})",
                              step=step, ranks=[self.me])
         if missing:
-            parts.append(f"ranks {missing} sent no report within {_REPORT_GRACE_S:.0f} s of the failure "
-                         "(dead, stalled, or still busy with the step)")
+            parts.append(f"ranks {missing} sent no report within {grace_s:.0f} s of the failure (dead, stalled, "
+                         "still busy with the step, or blocked in a collective that needs a failed rank)")
         if failed:
             parts.append(f"failed on ranks {sorted(failed)}: " + "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items())))
         return PeerError("; ".join(parts), step=step, ranks=sorted(set(missing) | set(failed)))
 
-    def _exchange_reports(self, error: BaseException | None, incomplete: _Incomplete) -> dict[int, str]:
+    def _exchange_reports(self, error: BaseException | None, incomplete: _Incomplete,
+                          grace_s: float) -> dict[int, str]:
         """Post this rank's report, raise the alarm, wait up to the grace for the others' reports."""
         store = self.store
         store.set(self._key("report", self.me), "ok" if error is None else _describe(error))
         if not store.check([self._key("alarm")]):
-            store.set(self._key("alarm"), f"rank {self.me} found this agreement broken: {incomplete.reason}")
+            store.set(self._key("alarm"), incomplete.alarm or f"rank {self.me} found this agreement broken: "
+                                                              f"{incomplete.reason}")
         count = store.add(self._key("reported"), 1)
-        deadline = time.monotonic() + _REPORT_GRACE_S
+        deadline = time.monotonic() + grace_s
         world = self.coordinator.world_size
         while count < world and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -66,12 +66,12 @@ def mtp_extras() -> dict[str, torch.Tensor]:
             "model.layers.2.enorm.weight": torch.randn(200, generator=g).bfloat16()}
 
 
-def tiny_bf16(n_experts: int, seed: int = 0):
+def tiny_bf16(n_experts: int, seed: int = 0, sizes: tuple = ()):
     """The test model, with one whole 128 x 128 block (rows 0-127: FSDP ranks 0 and 1) and one edge
     block of a dense weight set to zero."""
     from nemo_moe_export.tiny_models import tiny_model
 
-    model = tiny_model("deepseek_v3", n_experts=n_experts, seed=seed, **SIZES).to(torch.bfloat16)
+    model = tiny_model("deepseek_v3", n_experts=n_experts, seed=seed, **{**SIZES, **dict(sizes)}).to(torch.bfloat16)
     if seed == 0:
         with torch.no_grad():
             weight = model.model.layers[0].mlp.gate_proj.weight  # [400, 200]
@@ -87,6 +87,7 @@ class Case:
     n_experts: int
     scale_fmt: str | None
     options: tuple = ()  # extra export options, as (name, value) pairs
+    sizes: tuple = ()  # model sizes replacing SIZES', as (name, value) pairs
 
     @property
     def extras(self) -> bool:
@@ -99,6 +100,9 @@ CASES = [
     Case("ep-fsdp-rows-local", "ep_fsdp", 6, None, (("filesystem", "local"), ("writer_ranks", [0]),
                                                     ("staging_bytes", 4096))),
     Case("ep-fsdp-grouped-columns", "ep_fsdp_grouped", 6, "ue8m0"),
+    # Whole 128 x 128 blocks in every expert share (the common case at scale: the export's aligned
+    # fast paths for the amax and the quantization), FSDP splitting the 3 experts unevenly.
+    Case("hsdp-aligned-blocks", "hsdp", 3, None, sizes=(("hidden_size", 256), ("moe_intermediate_size", 128))),
 ]
 
 
@@ -110,7 +114,7 @@ def _sharded(case: Case, world: int, seed: int):
 
     from checks import to_grouped_layout
 
-    model = tiny_bf16(case.n_experts, seed)
+    model = tiny_bf16(case.n_experts, seed, case.sizes)
     if case.mesh in ("fsdp", "hsdp"):
         dims, names = ((world,), ("dp_shard",)) if case.mesh == "fsdp" else ((2, world // 2), ("dp_replicate", "dp_shard"))
         mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
@@ -160,7 +164,7 @@ def _expected(case: Case) -> dict[str, torch.Tensor]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as ref:
-        tiny_bf16(case.n_experts).save_pretrained(ref)
+        tiny_bf16(case.n_experts, sizes=case.sizes).save_pretrained(ref)
         tensors = load_file(os.path.join(ref, "model.safetensors"))
     if case.extras:
         tensors.update(mtp_extras())
@@ -201,10 +205,10 @@ def test_sharded_fp8_export_equals_whole_tensor_quantization_byte_for_byte(case,
     # Every byte written once (scales by their one owner each), from the shards.
     results = [r[case.name] for r in per_rank]
     assert sum(r["bytes"] for r in results) == results[0]["total"]
-    # The boundary exchange ran: blocks crossing shard boundaries on some rank; the writes came in
-    # batches (as many on every rank).
+    # The boundary exchange ran: blocks crossing shard boundaries on some rank; the weights were
+    # quantized and written in batches on every rank.
     assert sum(r["io"]["boundary_blocks"] for r in results) > 0
-    assert len({r["io"]["batches"] for r in results}) == 1
+    assert all(r["io"]["batches"] >= 1 for r in results)
     if dict(case.options).get("staging_bytes"):
         assert results[0]["io"]["batches"] > 10
 
@@ -395,3 +399,15 @@ def test_verify_checks_fp8_structure_and_serving(tmp_path, capsys):
     mtp_missing = verify_checkpoint(tmp_path / "mtp", tp=[1]).problems
     assert any("num_nextn_predict_layers=1, but the MTP layer model.layers.2.* lacks ['hnorm.weight']" in p
                for p in mtp_missing)
+
+
+def test_block_scales_are_the_correctly_rounded_division_by_448():
+    """``amax / 448`` exactly as IEEE fp32 division rounds it (float64 division rounded once to
+    fp32 gives the same value), not a multiplication by the reciprocal, which CUDA substitutes for
+    a division by a Python scalar and which is an ulp off for about half of all values."""
+    from nemo_moe_export.adapters.fp8 import block_scales
+
+    amax = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 8
+    want = (amax.double() / 448).float()
+    assert torch.equal(block_scales(amax), want)
+    assert not torch.equal(amax * (1 / 448), want)  # the substitute this guards against differs

@@ -138,11 +138,24 @@ def test_default_token_budget_comes_from_the_model_and_its_device():
     small, big = _model("deepseek_v3"), _model("qwen3_moe")
     assert bytes_per_token(big) != bytes_per_token(small)
     for model in (small, big):
-        budget = default_tokens_per_batch(model)
+        budget = default_tokens_per_batch(model, shared_prefix=False)
         assert MIN_TOKENS <= budget <= MAX_TOKENS and budget % 1024 == 0
-        assert budget == default_tokens_per_batch(model), "must be the same on every call (and rank)"
+        again = default_tokens_per_batch(model, shared_prefix=False)
+        assert budget == again, "must be the same on every call (and rank)"
     wide = _model_with(hidden_size=512, moe_intermediate_size=512)
-    assert default_tokens_per_batch(wide) < default_tokens_per_batch(small)
+    full_prompts = dict(shared_prefix=False)
+    assert default_tokens_per_batch(wide, **full_prompts) < default_tokens_per_batch(small, **full_prompts)
+
+
+def test_full_prompt_default_budget_is_capped_below_the_shared_prefix_one(monkeypatch):
+    """Full prompts pad to their batch's longest row, so their default stops at
+    FULL_PROMPT_MAX_TOKENS; shared-prefix suffixes may use the whole memory-derived budget."""
+    from nemo_moe_export.evaluate import planning
+
+    model = _model("deepseek_v3")
+    monkeypatch.setattr(planning, "CPU_ACTIVATION_BYTES", 64 << 30)  # a device with room for far more
+    assert planning.default_tokens_per_batch(model, shared_prefix=False) == planning.FULL_PROMPT_MAX_TOKENS
+    assert planning.default_tokens_per_batch(model, shared_prefix=True) == planning.MAX_TOKENS
 
 
 def _model_with(**config):

@@ -170,6 +170,20 @@ def test_nemo_run_launcher_validates_before_launching(tmp_path):
     assert proc.returncode != 0 and "trainer.max_steps=abc" in proc.stderr
 
 
+@pytest.mark.parametrize("override, message", [("export.overwrite=repalce", "unknown overwrite policy"),
+                                               ("parallel.ep_size=3", "ep_size")])
+def test_nemo_run_launcher_checks_the_recipe_for_its_world_before_launching(tmp_path, override, message):
+    """The recipe checks (options, EP size against the ranks) run before NeMo-Run starts anything:
+    no job directory is made."""
+    pytest.importorskip("nemo_run")
+    jobs = tmp_path / "jobs"
+    proc = subprocess.run([sys.executable, "-m", "nemo_moe_export", "launch", "recipe=deepseek_v3_tiny",
+                           "parallel=ep", override, "--nproc", "4", "--job-dir", str(jobs)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert not jobs.exists()
+
+
 def test_device_choice_is_checked(monkeypatch):
     """``parallel.device``: auto falls back to the CPU without a GPU per local rank; an explicit
     cuda without enough GPUs, or an unknown device, is an error naming the key."""

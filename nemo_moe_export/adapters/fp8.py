@@ -189,8 +189,13 @@ def block_scales(amax: torch.Tensor, scale_fmt: str | None = None) -> torch.Tens
     in fp32. A block whose scale is 0 (an all-zero block) gets 1.0, as transformers' own quantizer
     gives it: any finite scale decodes its zeros to 0, and 1.0 is a power of two, so it is also
     valid under ``ue8m0``. With ``scale_fmt="ue8m0"`` the scale is rounded up to a power of two,
-    exactly (from the float's exponent, not through ``log2``)."""
-    scale = amax.to(torch.float32) / E4M3_MAX
+    exactly (from the float's exponent, not through ``log2``).
+
+    The divisor is a tensor on ``amax``'s device, not a Python number: CUDA turns a division by a
+    scalar into a multiplication by its reciprocal, which is an ulp off ``amax / 448`` for some
+    values, so the same weights would get other scales on a GPU than on a CPU."""
+    amax = amax.to(torch.float32)
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     if scale_fmt == "ue8m0":
         mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2**exponent, 0.5 <= mantissa < 1

@@ -26,10 +26,13 @@ The task (MMLU as lm-evaluation-harness defines it: :mod:`.data`, :mod:`.prompts
    once, so ranks that read different data fail loudly instead of drifting out of step.
 3. **Forward steps** (:mod:`.runner` runs one forward): every rank runs the same number of steps,
    one forward each, a prefix forward being a step like any other (a rank without work at a step
-   runs a 1-token dummy forward whose result is discarded); each step is closed with
-   :meth:`Coordinator.agree <nemo_moe_export.parallel.Coordinator.agree>`, so a rank that fails
-   or stalls becomes a :class:`~nemo_moe_export.parallel.PeerError` naming the step ("mmlu step
-   17 of 40") on every rank within ``timeout_s``. Scores stay on the device until the last step.
+   runs a 1-token dummy forward whose result is discarded); every ``agree_every`` steps the ranks
+   agree (:meth:`Coordinator.agree <nemo_moe_export.parallel.Coordinator.agree>`). A rank whose
+   forward raises aborts the model's process groups and leaves at once
+   (:meth:`Coordinator.leave <nemo_moe_export.parallel.Coordinator.leave>`) rather than wait at
+   an agreement its collective peers cannot reach; every rank raises a
+   :class:`~nemo_moe_export.parallel.PeerError` naming the failing rank, the step ("mmlu step 17
+   of 40") and its exception. Scores stay on the device until the last step.
 4. **Gather** (:mod:`.results`): per-row scores are all-gathered over the data-parallel group;
    every rank assembles the per-question scores in question order and aggregates them with
    :func:`~nemo_moe_export.evaluate.scoring.aggregate`.
@@ -46,15 +49,16 @@ passed to ``init_device_mesh``). ``timeout_s`` bounds each agreement between ste
 run on a gloo group of their own (:func:`phase_coordinator`) whose timeout is ``timeout_s`` too.
 A rank blocked in a forward collective raises after the model group's timeout, a rank waiting at
 an agreement after ``timeout_s``; set ``timeout_s`` above the model groups' timeout so the error
-every rank sees names the failing ranks rather than only "did not arrive". One agreement costs
-a monitored barrier and a small all-gather (about 7 ms with 4 gloo ranks on 2 busy CPU cores).
+every rank sees names the failing ranks rather than only "did not arrive". One agreement is one
+all-reduce (about 1.2 ms on 4 gloo ranks); which agreements remain, and why, is
+docs/design.md#coordination-protocol.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -146,8 +150,9 @@ def evaluate_mmlu(
     # 1-2. prepare and plan: no communication, so bad input raises here on every rank alike
     prepared = _prepared(model, tokenizer, questions, dev, opts)
     uniform_shapes = wants_uniform_shapes(model) if opts.uniform_shapes is None else opts.uniform_shapes
-    budget = default_tokens_per_batch(model) if opts.tokens_per_batch is None else opts.tokens_per_batch
     prefixes = _shared_prefixes(model, prepared, opts, uniform_shapes)
+    budget = (default_tokens_per_batch(model, shared_prefix=bool(prefixes)) if opts.tokens_per_batch is None
+              else opts.tokens_per_batch)
     batches = plan_batches(prepared.rows, opts.batch_size, token_budget=budget, prefixes=prefixes)
     plan = plan_steps(batches, opts.policy, layout, uniform_shapes=uniform_shapes)
     prepared_at = time.perf_counter()
@@ -157,11 +162,12 @@ def evaluate_mmlu(
     coordinator.require_same("MMLU batch plan", plan_fingerprint(prepared, batches, plan), key="questions",
                              hint="every rank must evaluate the same questions with the same tokenizer and options "
                                   "(and, with tokens_per_batch=None, on the same kind of device)")
-    # 3. forward steps, each closed by an agreement
+    # 3. forward steps, with an agreement every opts.agree_every steps
     runner = ForwardRunner(model, prepared.rows, pad_token_id(tokenizer, model_vocab_size(model)), softmax_dtype,
                            prefixes)
     with inference(model):
-        _run_steps(runner, batches, plan, coordinator, name=name, show_progress=opts.progress)
+        _run_steps(runner, batches, plan, coordinator, lambda: _model_groups(model, layout, coordinator),
+                   name=name, show_progress=opts.progress, agree_every=opts.agree_every)
         row_scores, error = _read_scores(runner)
     forwards_done = time.perf_counter()
     # 4. gather, after an agreement: a rank still stuck in a step is reported, not mismatched
@@ -219,22 +225,27 @@ def _require_not_options(layout: Any) -> None:
                                hint="pass them as options=... (evaluate_mmlu(model, tok, qs, dev, layout, options))")
 
 
-def _run_steps(runner: ForwardRunner, batches: Sequence[Batch], plan: StepPlan, coordinator: Coordinator, *,
-               name: str, show_progress: bool) -> None:
+def _run_steps(runner: ForwardRunner, batches: Sequence[Batch], plan: StepPlan, coordinator: Coordinator,
+               model_groups: Callable[[], list[Any]], *, name: str, show_progress: bool,
+               agree_every: int | None) -> None:
     """This rank's steps of ``plan``, one forward each; the runner keeps the scores.
 
-    A forward's exception is not raised here but handed to the step's agreement, so every rank
-    raises together (naming the failed rank and step) instead of the others waiting for it."""
+    Ranks agree after every ``agree_every`` steps (not after the last: the gather agreement
+    follows). A rank whose forward raises does not wait for an agreement: its peers may be blocked
+    in a collective of that forward, which only its leaving ends. It reports through the store
+    (:meth:`Coordinator.leave`), aborts the model's process groups and raises; the other ranks
+    raise at their next agreement, naming it (docs/design.md#coordination-protocol)."""
     with Progress(plan.n_steps, name, enabled=show_progress) as bar:
         for s, batch_id in enumerate(plan.batch_of_step):
             label = f"{s + 1} of {plan.n_steps}"
-            error = None
             try:
                 runner.run(None if batch_id is None else batches[batch_id], plan.shapes[s] if plan.shapes else None)
-            except Exception as exc:  # reported to every rank by the agreement below
+            except Exception as exc:  # this rank leaves; its peers learn it through the store
                 error = MMLUStepError(f"{name} step {label} ({plan.policy}): {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-            _agree(coordinator, label, error, plan.policy)
+                left = coordinator.leave(label, error)  # the report first: it must not wait on an abort
+                raise _left(left, coordinator.name, plan.policy, _abort(model_groups)) from exc
+            if agree_every is not None and (s + 1) % agree_every == 0 and s + 1 < plan.n_steps:
+                _agree(coordinator, label, None, plan.policy)
             bar.update(1)
 
 
@@ -279,6 +290,52 @@ def phase_coordinator(layout: ParallelLayout, *, timeout_s: float = MMLUOptions.
     group, _ = dist.new_subgroups_by_enumeration([list(g) for g in unique], timeout=timedelta(seconds=timeout_s),
                                                  backend="gloo")
     return Coordinator(group, timeout_s=timeout_s, name=name)
+
+
+def _model_groups(model: Any, layout: ParallelLayout, coordinator: Coordinator) -> list[Any]:
+    """The process groups the model's forwards run collectives on: the layout's and those of the
+    DeviceMeshes of its DTensor parameters (FSDP2's shard groups, the EP experts' mesh), never the
+    coordinator's own group, which must still carry the report."""
+    from torch.distributed.tensor import DTensor
+
+    groups = [g for g in (layout.dp.group, layout.ep.group, layout.edp.group) if g is not None]
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    for mesh in meshes.values():
+        groups.extend(mesh.get_all_groups())
+    ours = getattr(coordinator.group, "group_name", None)
+    unique = {g.group_name: g for g in groups}
+    return [g for name, g in unique.items() if name != ours]
+
+
+def _abort(model_groups: Callable[[], list[Any]]) -> list[str]:
+    """Abort the model's process groups on this rank (``ProcessGroup.abort``); the names of those
+    aborted. A best effort on a failure path: what fails here is logged, never raised.
+
+    On NCCL this aborts the communicators, so this rank's pending collectives end and no later one
+    can start. gloo's abort does nothing (torch 2.13): a peer blocked in a collective that needs
+    this rank is released when this rank's process ends and its connections close
+    (docs/design.md#faults-and-how-each-is-reported)."""
+    try:
+        groups = model_groups()
+    except Exception as exc:
+        logger.warning("could not list the model's process groups to abort them: %s", exc)
+        return []
+    aborted = []
+    for group in groups:
+        try:
+            group.abort()
+            aborted.append(group.group_name)
+        except Exception as exc:
+            logger.warning("could not abort process group %s: %s", group.group_name, exc)
+    return aborted
+
+
+def _left(left: PeerError, name: str, policy: str, aborted: list[str]) -> PeerError:
+    """What a rank whose step failed raises: ``left`` (:meth:`Coordinator.leave`) in the evaluator's words."""
+    note = (f"; the model's process groups were aborted on this rank ({len(aborted)}): the job must end"
+            if aborted else "")
+    return PeerError(f"MMLU evaluation ({policy}) failed at {name} step {left.step}: {left}{note}",
+                     step=left.step, ranks=left.ranks)
 
 
 def _agree(coordinator: Coordinator, step: str, error: BaseException | None, policy: str) -> None:

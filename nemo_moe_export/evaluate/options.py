@@ -40,6 +40,10 @@ class MMLUOptions(Options):
     uniform_shapes: Optional[bool] = None  # None: on for megatron-core modules
     max_length: Optional[int] = None  # None: the model's context size (lm-eval's HFLM.max_length)
     timeout_s: float = 600.0  # each agreement between ranks; keep it above the model groups' timeout
+    # forward steps between agreements (docs/design.md#coordination-protocol): bounds how many
+    # forwards a rank runs after a rank it shares no process group with failed; None: agree only
+    # before the first step and after the last
+    agree_every: Optional[int] = 16
     progress: bool = True  # a progress bar on global rank 0
     # what the callback evaluates, and when
     split: str = "test"
@@ -64,6 +68,10 @@ class MMLUOptions(Options):
         _require(self.max_length is None or (isinstance(self.max_length, int) and self.max_length >= 1),
                  "max_length", "None or an integer >= 1", self.max_length)
         _require(self.timeout_s > 0, "timeout_s", "> 0 seconds", self.timeout_s)
+        _require(self.agree_every is None or (isinstance(self.agree_every, int)
+                                              and not isinstance(self.agree_every, bool) and self.agree_every >= 1),
+                 "agree_every", "None (only before the first step and after the last) or an integer >= 1",
+                 self.agree_every)
         _require(self.split in SPLITS, "split", f"one of {list(SPLITS)} (dev is the few-shot pool)", self.split)
         _require(self.max_questions is None or (isinstance(self.max_questions, int) and self.max_questions >= 1),
                  "max_questions", "None or an integer >= 1", self.max_questions)

@@ -278,11 +278,17 @@ CUDA_MEMORY_FRACTION = 0.25  # of the GPU's total memory, for one forward's acti
 CPU_ACTIVATION_BYTES = 192 << 20  # CPU ranks share the host's memory and caches
 SCORES_LENGTH = 1024  # keys per query a materialised score matrix is sized for (a long 5-shot prompt)
 MIN_TOKENS, MAX_TOKENS = 2048, 131072  # past this GPUs gain nothing either
+# Full prompts are padded to their batch's longest row: past this a GPU forward is saturated (98-101
+# TFLOP/s from 16k to 131k tokens on an H200, benchmarks/RESULTS.md "MMLU speed") and bigger batches
+# only pad more (131k ran at 0.89x a 16k budget). Shared-prefix suffixes are short and gain up to MAX_TOKENS.
+FULL_PROMPT_MAX_TOKENS = 16384
 
 
-def default_tokens_per_batch(model: Any) -> int:
+def default_tokens_per_batch(model: Any, *, shared_prefix: bool) -> int:
     """``tokens_per_batch=None``: the activation memory of the model's device over what one
-    attended token costs (:func:`bytes_per_token`), rounded down to a multiple of 1024.
+    attended token costs (:func:`bytes_per_token`), rounded down to a multiple of 1024, at most
+    :data:`MAX_TOKENS`, and for full prompts (``shared_prefix=False``) at most
+    :data:`FULL_PROMPT_MAX_TOKENS`.
 
     It reads the device's *total* memory (not what is free), so every rank of one GPU type derives
     the same budget and the plan fingerprints agree. On CPU, and with eager attention, the kernel
@@ -295,7 +301,7 @@ def default_tokens_per_batch(model: Any) -> int:
     else:
         memory = CPU_ACTIVATION_BYTES
     tokens = int(memory // bytes_per_token(model, scores=scores)) // 1024 * 1024
-    return max(MIN_TOKENS, min(MAX_TOKENS, tokens))
+    return max(MIN_TOKENS, min(MAX_TOKENS if shared_prefix else FULL_PROMPT_MAX_TOKENS, tokens))
 
 
 def bytes_per_token(model: Any, *, scores: bool = False) -> int:

@@ -130,28 +130,55 @@ class _Blocks:
     amax: torch.Tensor
     inside: torch.Tensor
     scale: torch.Tensor | None = None
+    scale_on_device: torch.Tensor | None = None  # ``scale`` where the share lives, for the quantize step
 
 
 def _blocks_of(share: HFShard) -> _Blocks:
     """This share's block amaxes, a few block rows at a time (:func:`_row_steps`), in the share's
-    own dtype (|w| and max are exact in any dtype)."""
+    own dtype (|w| and max are exact in any dtype). ``amax`` stays on the share's device:
+    :func:`_amaxes_to_cpu` brings every share's over in one copy (one sync, not one per share)."""
     (r0, c0), (h, w) = share.offsets, tuple(share.tensor.shape)
     (b0, b1), (rows, cols) = FP8_BLOCK, share.global_shape
     block_rows = range(r0 // b0, (r0 + h - 1) // b0 + 1)
     block_cols = range(c0 // b1, (c0 + w - 1) // b1 + 1)
+    inside = torch.outer(_wholly_inside(block_rows, b0, r0, h, rows), _wholly_inside(block_cols, b1, c0, w, cols))
+    if r0 % b0 == 0 and c0 % b1 == 0 and h % b0 == 0 and w % b1 == 0:
+        # Whole blocks (routed experts, most dense weights): max |w| = max(max w, -min w), two
+        # reductions over a blocked view, no temporary and two kernel launches per share.
+        blocked = share.tensor.view(h // b0, b0, w // b1, b1)
+        amax = torch.maximum(blocked.amax(dim=(1, 3)), blocked.amin(dim=(1, 3)).neg()).float()
+        return _Blocks(share, (block_rows.start, block_cols.start), amax, inside)
     lead = c0 - block_cols.start * b1  # where the share starts inside its first block column
     padded = torch.zeros(len(block_rows), len(block_cols) * b1, dtype=share.tensor.dtype, device=share.tensor.device)
     for lo, hi, block, n in _row_steps(r0, h, w):
         part = share.tensor[lo:hi].abs()
         i = block - block_rows.start
         padded[i:i + n, lead:lead + w] = part.view(n, -1, w).amax(dim=1)
-    amax = padded.view(len(block_rows), len(block_cols), b1).amax(dim=2).float().cpu()
-    _refuse_non_finite(share, amax, block_rows.start, block_cols.start)
-    inside = torch.outer(_wholly_inside(block_rows, b0, r0, h, rows), _wholly_inside(block_cols, b1, c0, w, cols))
+    amax = padded.view(len(block_rows), len(block_cols), b1).amax(dim=2).float()
     return _Blocks(share, (block_rows.start, block_cols.start), amax, inside)
 
 
 _STEP_VALUES = 1 << 22  # values per step of the amax and quantize loops: <= 16 MiB of fp32 temporaries
+
+
+def _amaxes_to_cpu(blocks: list[_Blocks]) -> list[_Blocks]:
+    """Every share's amaxes to the CPU in one copy, then refused where any is NaN or inf."""
+    if not blocks:
+        return blocks
+    flat = torch.cat([b.amax.reshape(-1) for b in blocks]).cpu()
+    for b, amax in zip(blocks, torch.split(flat, [b.amax.numel() for b in blocks])):
+        b.amax = amax.view(b.amax.shape)
+        _refuse_non_finite(b.share, b.amax, *b.first)
+    return blocks
+
+
+def _scales_to_devices(blocks: list[_Blocks]) -> None:
+    """Each share's scales beside its values, every device's in one copy."""
+    for device in {b.share.tensor.device for b in blocks}:
+        here = [b for b in blocks if b.share.tensor.device == device]
+        flat = torch.cat([b.scale.reshape(-1) for b in here]).to(device)
+        for b, scale in zip(here, torch.split(flat, [b.scale.numel() for b in here])):
+            b.scale_on_device = scale.view(b.scale.shape)
 
 
 def _row_steps(r0: int, h: int, w: int) -> Iterator[tuple[int, int, int, int]]:
@@ -257,7 +284,7 @@ def quantize_export(steps: Any, options: ExportOptions, adapter: StateDictAdapte
         keys = quantized_keys(plan, adapter, options)
         quantized = fp8_plan(plan, keys, options.max_shard_size)
         started = time.perf_counter()
-        blocks = [_blocks_of(s) for s in shares if s.key in keys]
+        blocks = _amaxes_to_cpu([_blocks_of(s) for s in shares if s.key in keys])
         stats.amax_seconds = round(time.perf_counter() - started, 4)
         batches = _batches(blocks, options.staging_bytes)
         owned = sum(len(r) * len(c) for r, c in map(_owned_scales, blocks))
@@ -268,6 +295,7 @@ def quantize_export(steps: Any, options: ExportOptions, adapter: StateDictAdapte
     _check_scale_coverage(quantized, keys, sum(n for _, n in facts))
     for b in blocks:
         b.scale = block_scales(b.amax, options.scale_fmt)
+    _scales_to_devices(blocks)
     scales = [s for s in map(_scale_share, blocks) if s is not None]
     calls = max(1, *(n for n, _ in facts))  # the local-filesystem writer's write is a collective
     return quantized, [*shares, *scales], Fp8Writer(writer, blocks, batches, calls, stats)
@@ -292,7 +320,7 @@ def _check_scale_coverage(plan: ExportPlan, keys: Collection[str], owned: int) -
 class Fp8WriteStats(WriteStats):
     """A quantized export's write stats: the storage writer's, summed over its batches, and the
     FP8 work (``boundary_blocks``: this rank's blocks that cross a shard boundary; ``batches``:
-    storage writes, the same number on every rank)."""
+    this rank's quantized batches)."""
 
     amax_seconds: float = 0.0
     exchange_seconds: float = 0.0
@@ -324,14 +352,23 @@ def _batches(blocks: list[_Blocks], budget: int) -> list[_Batch]:
 
 def _quantized_rows(blocks: _Blocks, start: int, stop: int) -> HFShard:
     """Rows ``start:stop`` of a weight share as FP8, a few block rows at a time, each row with the
-    scales of its blocks (a ``[block rows, 1, width]`` view: no scale is expanded)."""
+    scales of its blocks (a ``[block rows, 1, blocks, 1]`` or ``[block rows, 1, width]`` view: no
+    scale is expanded over the block's rows)."""
     share, (f0, f1), (b0, b1) = blocks.share, blocks.first, FP8_BLOCK
     source = share.tensor[start:stop]
     r0, c0, w = share.offsets[0] + start, share.offsets[1], source.shape[1]
     first = r0 // b0
-    columns = (torch.arange(w) + c0) // b1 - f1
-    scales = blocks.scale[first - f0:(r0 + stop - start - 1) // b0 + 1 - f0][:, columns].to(source.device)
+    rows = blocks.scale_on_device[first - f0:(r0 + stop - start - 1) // b0 + 1 - f0]
     out = torch.empty(source.shape, dtype=FP8_DTYPE, device=source.device)
+    if c0 % b1 == 0 and w % b1 == 0:  # whole block columns: a [rows, blocks, 128] view, one scale per block
+        scales = rows[:, c0 // b1 - f1:(c0 + w) // b1 - f1]
+        for lo, hi, block, n in _row_steps(r0, stop - start, w):
+            part = source[lo:hi].view(n, -1, w // b1, b1)
+            out[lo:hi] = quantize_with_scales(part, scales[block - first:block - first + n, None, :, None]
+                                              ).reshape(hi - lo, w)
+        return replace(share, offsets=(r0, c0), tensor=out)
+    columns = (torch.arange(w, device=source.device) + c0) // b1 - f1  # each column's block
+    scales = rows[:, columns]
     for lo, hi, block, n in _row_steps(r0, stop - start, w):
         part = source[lo:hi].view(n, -1, w)
         out[lo:hi] = quantize_with_scales(part, scales[block - first:block - first + n, None, :]).reshape(hi - lo, w)
@@ -340,15 +377,18 @@ def _quantized_rows(blocks: _Blocks, start: int, stop: int) -> HFShard:
 
 class Fp8Writer(StorageWriter):
     """Writes a quantized checkpoint through another storage writer: the plain pieces (and the
-    scales) in the first of ``calls`` writes, the weight shares quantized batch by batch right
-    before their write, so at most one batch of FP8 exists at a time. Every rank makes ``calls``
-    writes, empty ones included (the local-filesystem writer's write is a collective)."""
+    scales) first, then the weight shares quantized batch by batch right before their write, so at
+    most one batch of FP8 exists at a time. Where the storage writer offers a session
+    (``batch_writer``: the shared-filesystem one) every batch goes through it; otherwise every
+    rank makes ``calls`` writes, empty ones included (the local-filesystem writer's write is a
+    collective)."""
 
     def __init__(self, inner: StorageWriter, blocks: list[_Blocks], batches: list[_Batch], calls: int,
                  stats: Fp8WriteStats) -> None:
         super().__init__(inner.writer_ranks, staging_bytes=inner.staging_bytes, writer_threads=inner.writer_threads)
         self.inner, self.batches, self.calls, self.stats = inner, batches, calls, stats
         self._weights = {(b.share.key, b.share.offsets) for b in blocks}
+        self._on_gpu = any(b.share.tensor.is_cuda for b in blocks)
 
     def file_owners(self, plan: ExportPlan) -> dict[str, int]:
         return self.inner.file_owners(plan)
@@ -359,17 +399,45 @@ class Fp8Writer(StorageWriter):
         if len(pieces) - len(plain) != len(self._weights):
             raise RuntimeError("the FP8 writer was handed other weight shares than it quantizes")
         stats = replace(self.stats, files_touched=set())
+        session = self.inner.batch_writer(plan, directory, pinned=self._on_gpu)
+        if session is None:
+            self._write_per_call(plan, plain, directory, stats)
+        else:
+            self._write_in_session(session, plain, stats)
+        stats.batches, stats.quantize_seconds = len(self.batches), round(stats.quantize_seconds, 4)
+        stats.seconds = round(time.perf_counter() - started, 4)
+        return stats
+
+    def _quantized(self, batch: _Batch, stats: Fp8WriteStats) -> list[HFShard]:
+        started = time.perf_counter()
+        out = [_quantized_rows(*rows) for rows in batch]
+        stats.quantize_seconds += time.perf_counter() - started
+        return out
+
+    def _write_in_session(self, session: Any, plain: list[HFShard], stats: Fp8WriteStats) -> None:
+        """One storage session for every batch: its staging buffers, threads and files stay open,
+        so batch ``k + 1`` is quantized while the writer threads still write batch ``k``, and each
+        file is fsynced once."""
+        try:
+            session.write(plain)
+            for batch in self.batches:
+                quantized = self._quantized(batch, stats)
+                session.write(quantized)
+                del quantized  # staged by now: this batch's FP8 goes before the next one is made
+        except BaseException:
+            session.abandon()
+            raise
+        _add(stats, session.close())
+
+    def _write_per_call(self, plan: ExportPlan, plain: list[HFShard], directory: str, stats: Fp8WriteStats) -> None:
+        """A storage writer whose every write is a collective (the local-filesystem one): ``calls``
+        writes on every rank, empty ones included."""
         for call in range(self.calls):
             batch = plain if call == 0 else []
             if call < len(self.batches):
-                quantize_started = time.perf_counter()
-                batch = batch + [_quantized_rows(*rows) for rows in self.batches[call]]
-                stats.quantize_seconds += time.perf_counter() - quantize_started
+                batch = batch + self._quantized(self.batches[call], stats)
             _add(stats, self.inner.write(plan, batch, directory))
-            del batch  # this batch's FP8 goes before the next one is made
-        stats.batches, stats.quantize_seconds = self.calls, round(stats.quantize_seconds, 4)
-        stats.seconds = round(time.perf_counter() - started, 4)
-        return stats
+            del batch
 
     def __repr__(self) -> str:
         return f"Fp8Writer({self.inner!r}, calls={self.calls})"

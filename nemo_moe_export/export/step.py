@@ -55,7 +55,7 @@ from nemo_moe_export.export.writer import WriteStats, write_headers
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import Coordinator, PeerError
 
-__all__ = ["ExportResult", "ExportStep", "export_hf_checkpoint"]
+__all__ = ["ExportResult", "ExportStep", "export_hf_checkpoint", "export_plan_of", "rank_write_shares", "replicated_tensors"]
 
 
 @dataclass
@@ -76,6 +76,10 @@ class ExportResult:
     replica_check: dict[str, int] = field(default_factory=dict)
     reconciled: list[dict[str, Any]] = field(default_factory=list)
     passthrough_keys: list[str] = field(default_factory=list)  # extra keys written beside the model's
+    # The files this rank created and wrote the header of, and the files it wrote tensor bytes into
+    # (the planner predicts both: docs/design.md#planner).
+    files_owned: list[str] = field(default_factory=list)
+    files_written: list[str] = field(default_factory=list)
     # What rank 0 cleaned or replaced around the target (a dead job's lock or partial directory,
     # the previous checkpoint); also logged as warnings.
     notes: list[str] = field(default_factory=list)
@@ -301,15 +305,48 @@ def _plan_locally(coordinator: Coordinator, output_dir: Any, options: ExportOpti
     if options.passthrough:  # what the adapter's from_hf kept, unless handed explicitly
         inputs = replace(inputs, extra={**inputs.adapter.passthrough, **inputs.extra})
     extras = extra_pieces(inputs.extra, _plain_replica(coordinator))
-    sources = inputs.adapter.hf_source_keys(inputs.state_dict)
-    dtype = options.torch_dtype
-    plan = plan_export(_all_metadata(inputs, extras), dtype=dtype, keep_dtype=options.keep_dtype,
-                       max_shard_size=options.max_shard_size, keep_exact=set(extras),
-                       keep_float32=float32_keys(fp32_patterns(dtype, inputs.model, inputs.config), sources))
-    replicated = {name: inputs.state_dict[name] for name in set(sources.values())}
-    replicated.update({k: v for k, v in inputs.extra.items() if torch.is_tensor(v)})
+    plan = export_plan_of(inputs.adapter, inputs.state_dict, options, extras=extras, model=inputs.model,
+                          config=inputs.config)
+    replicated = replicated_tensors(inputs.adapter, inputs.state_dict, inputs.extra)
     return _LocalPlan(target, inputs, plan, _write_shares_of(inputs, coordinator, extras),
                       replica_sets(replicated, coordinator), replicated)
+
+
+def export_plan_of(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tensor], options: ExportOptions, *,
+                   extras: Mapping[str, HFShard] | None = None, model: Any = None, config: Any = None) -> ExportPlan:
+    """The checkpoint's layout (files, headers, offsets) for ``state_dict`` exported with ``options``.
+
+    Pure: global shapes and dtypes only, so every rank computes the same plan; the export's
+    validate step and the planner (docs/design.md#planner) both call it. ``extras`` are the extra
+    tensors' pieces (their own dtype is kept); ``model`` / ``config`` say what transformers keeps
+    in float32 (``casting.py``).
+    """
+    extras = dict(extras or {})
+    sources = adapter.hf_source_keys(state_dict)
+    dtype = options.torch_dtype
+    return plan_export(_all_metadata(adapter, state_dict, extras), dtype=dtype, keep_dtype=options.keep_dtype,
+                       max_shard_size=options.max_shard_size, keep_exact=set(extras),
+                       keep_float32=float32_keys(fp32_patterns(dtype, model, config if config is not None
+                                                               else adapter.config), sources))
+
+
+def replicated_tensors(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tensor],
+                       extra: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors the replica check compares, by name: every state-dict tensor the checkpoint is
+    written from, and the extra tensors handed as tensors."""
+    replicated = {name: state_dict[name] for name in set(adapter.hf_source_keys(state_dict).values())}
+    replicated.update({k: v for k, v in (extra or {}).items() if torch.is_tensor(v)})
+    return replicated
+
+
+def rank_write_shares(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tensor], place: tuple[int, int],
+                      extras: Mapping[str, HFShard] | None = None) -> list[HFShard]:
+    """What one rank writes: its write share of every piece ``to_hf`` gives it and of the extra
+    pieces. ``place`` is the rank's ``(index, count)`` among the holders of a plain tensor (the
+    export group). Pure apart from reading the DTensors' meshes, so the planner runs it for every
+    simulated rank (docs/design.md#planner)."""
+    pieces = [*adapter.to_hf(state_dict, plain_replica=place).values(), *(extras or {}).values()]
+    return write_shares(pieces)
 
 
 def _plain_replica(coordinator: Coordinator) -> tuple[int, int]:
@@ -322,15 +359,15 @@ def _write_shares_of(inputs: _Inputs, coordinator: Coordinator, extras: dict[str
     """What this rank writes: its share of every piece of the model and of the extra tensors."""
     place = _plain_replica(coordinator)
     extras = extra_pieces(inputs.extra, place) if extras is None else extras
-    pieces = [*inputs.adapter.to_hf(inputs.state_dict, plain_replica=place).values(), *extras.values()]
-    return write_shares(pieces)
+    return rank_write_shares(inputs.adapter, inputs.state_dict, place, extras)
 
 
-def _all_metadata(inputs: _Inputs, extras: dict[str, HFShard]) -> dict[str, Any]:
+def _all_metadata(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tensor],
+                  extras: Mapping[str, HFShard]) -> dict[str, Any]:
     """The model's HF tensors and the extra ones; an extra tensor may not take a model tensor's name."""
-    metadata = inputs.adapter.hf_metadata(inputs.state_dict)
+    metadata = adapter.hf_metadata(state_dict)
     for key in extras:
-        if key in metadata or key in inputs.state_dict:
+        if key in metadata or key in state_dict:
             raise ExportInputError("an extra tensor has the name of a model tensor", key=key,
                                    expected="a name the model does not write", actual="a model tensor's name",
                                    hint="pass extra tensors only for keys outside the model's state dict")
@@ -397,6 +434,7 @@ def _result(job: _Job, stats: WriteStats, step_seconds: dict[str, float], starte
         replica_seconds=job.replicas.seconds, reconciled=job.replicas.reconciled,
         replica_check=dict(groups=job.replicas.groups, tensors=job.replicas.tensors, bytes=job.replicas.bytes_checked),
         passthrough_keys=sorted(job.inputs.extra),
+        files_owned=sorted(job.my_files()), files_written=sorted(stats.files_touched),
     )
 
 

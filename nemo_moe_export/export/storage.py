@@ -25,7 +25,7 @@ from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.exchange import exchange_and_write, same_host_ranks
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners
-from nemo_moe_export.export.writer import WriteStats, write_pieces
+from nemo_moe_export.export.writer import PieceWriter, WriteStats, write_pieces
 from nemo_moe_export.parallel import Coordinator
 
 __all__ = ["LocalFilesystemWriter", "SharedFilesystemWriter", "StorageWriter", "check_writer_ranks", "writer_for"]
@@ -46,6 +46,12 @@ class StorageWriter:
     def write(self, plan: ExportPlan, pieces: Iterable[HFShard], directory: str) -> WriteStats:
         raise NotImplementedError
 
+    def batch_writer(self, plan: ExportPlan, directory: str, *, pinned: bool) -> PieceWriter | None:
+        """A :class:`~.writer.PieceWriter` that takes this rank's pieces over several calls (kept
+        open between them), or None where each write is a collective of its own (the caller then
+        makes the same number of ``write`` calls on every rank)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(writer_ranks={self.writer_ranks})"
 
@@ -61,6 +67,10 @@ class SharedFilesystemWriter(StorageWriter):
     def write(self, plan: ExportPlan, pieces: Iterable[HFShard], directory: str) -> WriteStats:
         return write_pieces(plan, pieces, directory, staging_bytes=self.staging_bytes,
                             writer_threads=self.writer_threads)
+
+    def batch_writer(self, plan: ExportPlan, directory: str, *, pinned: bool) -> PieceWriter:
+        return PieceWriter(plan, directory, staging_bytes=self.staging_bytes, writer_threads=self.writer_threads,
+                           pinned=pinned)
 
 
 class LocalFilesystemWriter(StorageWriter):

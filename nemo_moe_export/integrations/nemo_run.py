@@ -79,7 +79,12 @@ def launch_main(argv: list[str]) -> int:
     known, rest = parser.parse_known_args(argv)
     recipe, overrides, nproc, config_dirs = split_recipe_args(rest)
     user_dirs = user_config_dirs(config_dirs)
-    load_config(recipe, overrides, config_dirs)  # validate now: Hydra's errors before anything is launched
+    # Validate now, for the world the job will have: Hydra's errors and the recipe checks (stages,
+    # options, paths, EP size against the ranks and experts) before anything is launched.
+    from nemo_moe_export.recipe.stages import check_recipe
+
+    world = (nproc or 8) * known.nodes if known.slurm_account else (nproc or 1)
+    check_recipe(load_config(recipe, overrides, config_dirs), world)
     run = _run()
     # torchx's local scheduler looks torchrun up on PATH: make it the one beside this interpreter,
     # also when the virtual environment was not activated.

@@ -1,0 +1,413 @@
+"""Every rank of a job, simulated in one process under torch's fake process group.
+
+For each simulated rank ``r`` of ``W`` (docs/design.md#planner):
+
+1. the default process group is re-initialised as rank ``r`` of the ``fake`` backend
+   (``FakeStore``: no peer, no traffic), and the layout's DeviceMeshes are built on it with
+   ``init_device_mesh``, so every mesh coordinate, group and replica number is torch's own;
+2. the rank's state dict is the meta model's tensors laid out as ``recipe/trainer.shard_model``
+   lays them out: FSDP2 ``Shard(0)`` of every parameter over ``dp_shard`` (HSDP: ``(Replicate,
+   Shard(0))`` on ``(dp_replicate, dp_shard)``), expert parallelism's ``Shard(0)`` of the fused
+   expert tensors on ``ep`` (``(Replicate, Shard(0))`` on ``(edp, ep)`` with expert-DP replicas),
+   buffers and EP's dense part as plain tensors; each a meta DTensor made by
+   ``DTensor.from_local`` with the local shape torch computes for that coordinate;
+3. the export's own code runs on it: ``step.rank_write_shares`` (the adapter's ``to_hf`` and
+   ``plan.write_shares``), ``plan.element_counts``, ``writer.byte_runs``, ``replicas.replica_sets``.
+
+The plan itself (``step.export_plan_of``) and the file owners (``plan.assign_file_owners``) are
+rank-independent and computed once, from the full meta state dict. Ranks are simulated on the
+representative layer of each layer group (``model.py``); a result for a representative key is
+counted for every member layer, whose keys map to files through the plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.export.plan import ExportPlan, assign_file_owners, check_coverage, element_counts
+from nemo_moe_export.export.replicas import replica_sets
+from nemo_moe_export.export.step import export_plan_of, rank_write_shares, replicated_tensors
+from nemo_moe_export.export.writer import byte_runs
+from nemo_moe_export.planner.model import MetaModel
+
+__all__ = ["RankPlan", "Simulation", "fake_world", "simulate"]
+
+# What the replica check all-reduces (replicas.py): per replica group a header of 2 int64 and per
+# tensor 3 int64 checksums, each as [v, flip(v)] so one MAX gives max and min.
+_HEADER_BYTES = 2 * 2 * 8
+_CHECKSUM_BYTES = 3 * 2 * 8
+
+
+@dataclass
+class RankPlan:
+    """What one rank does in an export (bytes in the stored dtypes)."""
+
+    rank: int
+    bytes: int = 0  # tensor bytes it pwrites
+    runs: int = 0  # contiguous byte runs (one pwrite stream each)
+    staged_bytes: int = 0  # bytes that go through staging buffers (a cast, a strided view, a GPU tensor)
+    staged_chunks: int = 0
+    staging_peak_bytes: int = 0  # staging buffers it allocates (the writer's bound)
+    files_owned: int = 0  # files it creates and writes the header of
+    header_bytes: int = 0
+    index_bytes: int = 0  # rank 0: model.safetensors.index.json
+    files_written: int = 0  # files it writes tensor bytes into
+    replica_groups: int = 0
+    replica_tensors: int = 0
+    replica_bytes_checked: int = 0  # bytes its checksums read
+    replica_allreduce_bytes: int = 0  # payload of its replica-check all-reduces
+    elements: int = 0
+    share_seconds: float = 0.0  # rank_write_shares here (the representative layers, scaled to every layer)
+
+
+@dataclass
+class Simulation:
+    """The outcome for every rank, and what the ranks agree on."""
+
+    world_size: int
+    plan: ExportPlan
+    ranks: list[RankPlan]
+    digests: list[str]  # the plan digest each rank computed
+    coverage_ok: bool
+    tiling_ok: bool | None  # every element of every written key covered by exactly one box (None: not 1-D)
+    file_owner: dict[str, int]
+    coverage_allreduce_bytes: int  # the per-key element counts every rank all-reduces in validate
+    seconds: float = 0.0
+    plan_seconds: float = 0.0  # export_plan_of here: what every rank computes in validate
+    layer_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.ranks)
+
+
+@contextmanager
+def fake_world() -> Iterator[Any]:
+    """Own the default process group for the simulation (refused if a real one exists); yields a
+    function that makes this process rank ``r`` of ``W``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise ExportInputError("the planner needs a process without a process group", key="torch.distributed",
+                               expected="no default process group", actual=f"backend {dist.get_backend()}",
+                               hint="run `nemo-moe-export plan` in its own process, not inside a job")
+
+    def become(rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+    try:
+        yield become
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class _Coordinator:
+    """The parts of ``parallel.Coordinator`` that ``replica_sets`` reads, for a simulated rank of
+    the world (a real Coordinator would open a gloo side group)."""
+
+    rank: int
+    world_size: int
+    active: bool = True
+    group: Any = None
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank
+
+
+class _Layout:
+    """The meshes and placements ``shard_model`` gives each kind of tensor, for the current rank."""
+
+    def __init__(self, parallel: Any, world: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        strategy = parallel.strategy
+        self.dense = self.experts = None  # (mesh, placements); None: a plain tensor
+        if strategy in ("fsdp", "hsdp", "ep_fsdp"):
+            if strategy == "hsdp":
+                mesh = init_device_mesh("cpu", (parallel.replicate, world // parallel.replicate),
+                                        mesh_dim_names=("dp_replicate", "dp_shard"))
+                self.dense = (mesh, (Replicate(), Shard(0)))
+            else:
+                self.dense = (init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)), (Shard(0),))
+        if strategy in ("ep", "ep_fsdp"):
+            ep, edp = parallel.ep_size, world // parallel.ep_size
+            if edp == 1:
+                self.experts = (init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)), (Shard(0),))
+            else:  # expert_parallel.expert_mesh: rows are the EP groups of parallel.expert_parallel_groups
+                self.experts = (init_device_mesh("cpu", (edp, ep), mesh_dim_names=("edp", "ep")),
+                                (Replicate(), Shard(0)))
+        else:
+            self.experts = self.dense
+        self.strategy = strategy
+
+    def of(self, key: str, meta: MetaModel) -> tuple[Any, tuple] | None:
+        if key in meta.experts:
+            return self.experts
+        if key in meta.buffers or self.strategy == "ep":
+            return None
+        return self.dense
+
+
+def _rank_state_dict(tensors: Mapping[str, torch.Tensor], meta: MetaModel, layout: _Layout) -> dict[str, torch.Tensor]:
+    """This rank's state dict: meta DTensors of this rank's local shapes (one per distinct tensor
+    layout; a DTensor is only read, so keys of equal shape and layout may share one)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    made: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for key, tensor in tensors.items():
+        where = layout.of(key, meta)
+        if where is None:
+            out[key] = tensor
+            continue
+        mesh, placements = where
+        signature = (tuple(tensor.shape), tensor.dtype, id(mesh), placements)
+        if signature not in made:
+            local_shape, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+            local = torch.empty(local_shape, dtype=tensor.dtype, device="meta")
+            made[signature] = DTensor.from_local(local, mesh, placements, run_check=False,
+                                                 shape=tensor.shape, stride=tensor.stride())
+        out[key] = made[signature]
+    return out
+
+
+def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
+    """The layout fits the world and the model, as ``recipe/checks.py`` and ``shard_model`` require."""
+    from nemo_moe_export.layout import get_ep_expert_range
+    from nemo_moe_export.parallel import expert_parallel_groups
+    from nemo_moe_export.recipe.trainer import STRATEGIES
+
+    if not isinstance(world, int) or world < 1:
+        raise ExportInputError("the world size must be a positive integer", key="--world", expected=">= 1",
+                               actual=world)
+    if parallel.strategy not in STRATEGIES:
+        raise ExportInputError("unknown parallel strategy", key="parallel.strategy", expected=STRATEGIES,
+                               actual=repr(parallel.strategy))
+    if parallel.strategy == "hsdp" and (parallel.replicate < 1 or world % parallel.replicate):
+        raise ExportInputError("HSDP replicas must divide the world", key="parallel.replicate",
+                               expected=f"a divisor of {world}", actual=parallel.replicate)
+    if parallel.strategy in ("ep", "ep_fsdp"):
+        expert_parallel_groups(world, parallel.ep_size)
+        get_ep_expert_range(meta.adapter.num_experts, parallel.ep_size, 0)
+
+
+def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions, *,
+             device: str = "cpu", progress: Any = None) -> Simulation:
+    """Simulate the export on every rank of ``world``; ``device`` is where the model's shards live
+    (``cuda``: every byte goes through the pinned staging buffers)."""
+    started = time.perf_counter()
+    check_layout(parallel, world, meta)
+    plan, expansion, plan_seconds = _plan_and_expansion(meta, options)
+    owners = assign_file_owners(plan, list(range(world)))  # SharedFilesystemWriter: every rank writes
+    ranks, digests = [], []
+    digest = plan.digest()
+    replicated_names = sorted(replicated_tensors(meta.adapter, meta.simulated))  # by key: rank-independent
+    total_counts = torch.zeros(len(plan.tensors), dtype=torch.int64)
+    tiling = _Tiling(plan, expansion)
+    simulated = meta.simulated
+    with fake_world() as become:
+        for rank in range(world):
+            become(rank, world)
+            state_dict = _rank_state_dict(simulated, meta, _Layout(parallel, world))
+            result, counts = _simulate_rank(rank, world, state_dict, meta, plan, expansion, options, device, tiling,
+                                            replicated_names)
+            digests.append(_digest_of(state_dict, digest, meta))
+            total_counts += counts
+            ranks.append(result)
+            if progress is not None:
+                progress(rank + 1, world)
+    _add_file_work(ranks, plan, owners)
+    coverage_ok = _covered(plan, total_counts)
+    return Simulation(world, plan, ranks, digests, coverage_ok, tiling.ok(), owners,
+                      coverage_allreduce_bytes=8 * len(plan.tensors),
+                      seconds=round(time.perf_counter() - started, 3), plan_seconds=round(plan_seconds, 4),
+                      layer_groups=dict(meta.members))
+
+
+def _plan_and_expansion(meta: MetaModel, options: ExportOptions) -> tuple[ExportPlan, "_Expansion"]:
+    """The export plan (rank-independent: ``step.export_plan_of`` on the full meta state dict) and
+    its layer-group expansion, cached per model and options."""
+    key = repr(options)
+    if key not in meta.plans:
+        started = time.perf_counter()
+        plan = export_plan_of(meta.adapter, meta.state_dict, options, model=meta.model, config=meta.config)
+        meta.plans[key] = (plan, _Expansion(meta, plan), time.perf_counter() - started)
+    return meta.plans[key]
+
+
+class _Expansion:
+    """Representative keys -> the plan positions of every member layer's key."""
+
+    def __init__(self, meta: MetaModel, plan: ExportPlan) -> None:
+        self.position = {key: i for i, key in enumerate(plan.tensors)}
+        self.members: dict[str, list[int]] = {}
+        covered = torch.zeros(len(plan.tensors), dtype=torch.int64)
+        self.rep_of = torch.zeros(len(plan.tensors), dtype=torch.int64)
+        rep_keys = set(meta.adapter.hf_metadata(meta.simulated))
+        for key in rep_keys:
+            layers = meta.multiplicity(key)
+            keys = [key] if layers is None else [meta.member_key(key, layer) for layer in layers]
+            missing = [k for k in keys if k not in self.position]
+            if missing:
+                raise ExportInputError("a layer group does not map onto the plan", key=missing[0],
+                                       expected="a key of the export plan", actual="not planned",
+                                       hint="the model's layers are not alike where their tensors say they are")
+            self.members[key] = [self.position[k] for k in keys]
+            covered[self.members[key]] += 1
+            self.rep_of[self.members[key]] = self.position[key]
+        if not bool((covered == 1).all()):
+            first = list(plan.tensors)[int((covered != 1).nonzero()[0])]
+            raise ExportInputError("the layer groups do not cover the plan exactly once", key=first,
+                                   expected="1", actual=int(covered[self.position[first]]))
+        self.file_of = [plan.tensors[k].file for k in plan.tensors]
+        self.scale = len(meta.state_dict) / max(1, len(meta.simulated))  # tensors per simulated tensor
+        reps = sorted(self.members, key=self.position.__getitem__)
+        self.rep_plan = ExportPlan(plan.files, {k: plan.tensors[k] for k in reps})
+        slot = {self.position[k]: i for i, k in enumerate(reps)}
+        self.rep_slot = torch.tensor([slot[int(p)] for p in self.rep_of], dtype=torch.int64)
+
+    def count(self, key: str) -> int:
+        return len(self.members[key])
+
+
+def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], meta: MetaModel, plan: ExportPlan,
+                   expansion: _Expansion, options: ExportOptions, device: str, tiling: "_Tiling",
+                   replicated_names: list[str]) -> tuple[RankPlan, torch.Tensor]:
+    """The export's per-rank code on one simulated rank."""
+    out = RankPlan(rank)
+    started = time.perf_counter()
+    shares = rank_write_shares(meta.adapter, state_dict, (rank, world))
+    out.share_seconds = (time.perf_counter() - started) * expansion.scale
+    # element_counts over the representative keys (a sub-plan of the same tensors), then every
+    # member layer's key counts as its representative's
+    counts = element_counts(expansion.rep_plan, shares)[expansion.rep_slot]
+    files: set[str] = set()
+    for share in shares:
+        planned = plan.tensors[share.key]
+        n = expansion.count(share.key)
+        positions = expansion.members[share.key]
+        files.update(expansion.file_of[p] for p in positions)
+        tiling.add(share)
+        for _, source in byte_runs(share, planned):
+            nbytes = source.numel() * planned.element_size
+            out.runs += n
+            out.bytes += n * nbytes
+            # writer._write_piece: a run is written straight from the tensor's memory when it is a
+            # CPU tensor in the stored dtype and contiguous; anything else is staged.
+            if device == "cuda" or source.dtype != planned.dtype or not source.is_contiguous():
+                out.staged_bytes += n * nbytes
+                out.staged_chunks += n * math.ceil(nbytes / options.staging_bytes)
+    out.elements = int(counts.sum())
+    out.files_written = len(files)
+    # writer._Pipeline: at most writer_threads + 1 buffers, allocated on first use
+    out.staging_peak_bytes = min(options.writer_threads + 1, out.staged_chunks) * options.staging_bytes
+    _add_replica_work(out, {name: state_dict[name] for name in replicated_names}, meta, world)
+    return out, counts
+
+
+def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: MetaModel, world: int) -> None:
+    """What the replica check (replicas.py) compares on this rank (``replicated``: the tensors
+    ``step.replicated_tensors`` names), and what it all-reduces."""
+    from torch.distributed.tensor import DTensor
+
+    for entry in replica_sets(replicated, _Coordinator(out.rank, world)):
+        tensors = sum(len(meta.multiplicity(n) or (0,)) for n in entry.names)
+        local_bytes = 0
+        for name in entry.names:
+            t = replicated[name]
+            local = t.to_local() if isinstance(t, DTensor) else t
+            local_bytes += len(meta.multiplicity(name) or (0,)) * local.numel() * local.element_size()
+        ring = 2 * (len(entry.ranks) - 1) / len(entry.ranks)  # bytes a ring all-reduce sends per byte
+        out.replica_groups += 1
+        out.replica_tensors += tensors
+        out.replica_bytes_checked += local_bytes
+        out.replica_allreduce_bytes += int(ring * (_HEADER_BYTES + _CHECKSUM_BYTES * tensors))
+
+
+def _digest_of(state_dict: dict[str, torch.Tensor], digest: str, meta: MetaModel) -> str:
+    """The plan digest this rank computes: ``export_plan_of`` is a function of the keys, global
+    shapes and dtypes of the rank's state dict only; when they are the full model's (checked
+    here), the rank's plan is the full plan."""
+    for key, tensor in state_dict.items():
+        full = meta.state_dict[key]
+        if tuple(tensor.shape) != tuple(full.shape) or tensor.dtype != full.dtype:
+            return f"differs at {key}: {tuple(tensor.shape)} {tensor.dtype}"
+    return digest
+
+
+def _add_file_work(ranks: list[RankPlan], plan: ExportPlan, owners: Mapping[str, int]) -> None:
+    """Headers by the owner of each file; the index by rank 0 (step.py's headers step)."""
+    by_name = {f.name: f for f in plan.files}
+    for name, owner in owners.items():
+        ranks[owner].files_owned += 1
+        ranks[owner].header_bytes += len(by_name[name].header)
+    ranks[0].index_bytes = len(plan.index_json().encode())
+
+
+def _covered(plan: ExportPlan, counts: torch.Tensor) -> bool:
+    """The export's own coverage check (``plan.check_coverage``) on the summed element counts."""
+    try:
+        check_coverage(plan, counts)
+    except ExportInputError:
+        return False
+    return True
+
+
+class _Tiling:
+    """An exact check beyond the counts: along dim 0, the boxes of every written key tile it with
+    no gap and no overlap (done when every box spans the key's other dims whole)."""
+
+    def __init__(self, plan: ExportPlan, expansion: _Expansion) -> None:
+        self.plan, self.expansion = plan, expansion
+        self.keys: list[int] = []
+        self.starts: list[int] = []
+        self.stops: list[int] = []
+        self.one_dim = True
+
+    def add(self, share: Any) -> None:
+        shape, gshape = tuple(share.tensor.shape), share.global_shape
+        if not gshape:
+            start, stop = 0, 1
+        else:
+            if shape[1:] != tuple(gshape[1:]):
+                self.one_dim = False
+                return
+            start, stop = share.offsets[0], share.offsets[0] + shape[0]
+        self.keys.append(self.expansion.position[share.key])
+        self.starts.append(start)
+        self.stops.append(stop)
+
+    def ok(self) -> bool | None:
+        if not self.one_dim:
+            return None
+        keys, starts, stops = (torch.tensor(v, dtype=torch.int64) for v in (self.keys, self.starts, self.stops))
+        order = torch.argsort(keys * (1 << 40) + starts)
+        keys, starts, stops = keys[order], starts[order], stops[order]
+        names = list(self.plan.tensors)
+        rows = torch.tensor([(self.plan.tensors[n].shape or (1,))[0] for n in names], dtype=torch.int64)
+        expected = sorted(set(self.expansion.position[k] for k in self.expansion.members))
+        first = torch.ones_like(keys, dtype=torch.bool)
+        first[1:] = keys[1:] != keys[:-1]
+        last = torch.ones_like(keys, dtype=torch.bool)
+        last[:-1] = keys[1:] != keys[:-1]
+        contiguous = bool((starts[~first] == stops[:-1][~first[1:]]).all()) if len(keys) > 1 else True
+        written = keys[first].tolist()
+        empty = [p for p in expected if rows[p] == 0]
+        return (contiguous and bool((starts[first] == 0).all()) and bool((stops[last] == rows[keys[last]]).all())
+                and sorted(written + empty) == expected)

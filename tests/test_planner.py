@@ -1,0 +1,290 @@
+"""The planner (``nemo-moe-export plan``): every simulated rank of DeepSeek-V3, Kimi K2 and
+Qwen3-235B-A22B at 64, 256 and 512 ranks, checked against a closed form computed here from the
+``torch.chunk`` rule and the replica sharing; and the planner against what the real export writes
+on 4 and 8 gloo ranks.
+
+The closed form never calls the package: per in-memory tensor of dim-0 size ``n``, the rank's
+rows follow ``chunk(n, k)[i]`` (leading chunks of ``ceil(n / k)``, then the rest, then empty) and
+a part held by ``R`` ranks is split the same way among them (docs/design.md#planner).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+
+import pytest
+import torch
+
+from nemo_moe_export.config import ParallelConfig
+from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.spawn import spawn
+
+# The published config.json files (Hugging Face: deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct,
+# Qwen/Qwen3-235B-A22B), less auto_map and quantization_config (the planner drops both).
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
+    "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3", "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                                             "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+    "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.33.1",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+KIMI_K2 = {
+    **DEEPSEEK_V3, "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585,
+    "first_k_dense_replace": 1, "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "topk_group": 1,
+    "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 50000.0, "routed_scaling_factor": 2.827, "transformers_version": "4.48.3", "vocab_size": 163840,
+}
+QWEN3_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 94, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 94, "num_key_value_heads": 4, "output_router_logits": False,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+MODELS = {"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "qwen3_235b": QWEN3_235B}
+PARAMETERS = {"deepseek_v3": (670e9, 672e9), "kimi_k2": (1025e9, 1035e9), "qwen3_235b": (234e9, 236e9)}
+LAYOUTS = {"fsdp": lambda w: ParallelConfig(strategy="fsdp"),
+           "hsdp": lambda w: ParallelConfig(strategy="hsdp", replicate=8),
+           "ep64": lambda w: ParallelConfig(strategy="ep", ep_size=64)}
+WORLDS = (64, 256, 512)
+EXPERT = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+# --------------------------------------------------------------------------------------------------
+# The closed form (independent of the package)
+# --------------------------------------------------------------------------------------------------
+
+
+def chunk(n: int, k: int, i: int) -> int:
+    """Size of ``torch.chunk``-style part ``i`` of ``k`` of ``n`` rows (empty trailing parts)."""
+    c = -(-n // k)
+    start = min(i * c, n)
+    return min(start + c, n) - start
+
+
+def expected_rank_bytes(state_dict, buffers, layout: str, world: int) -> list[int]:
+    """Every rank's bytes from the shapes alone: chunk layout, then the replica split."""
+    kinds: dict[tuple, int] = {}  # tensors of one shape, size and kind contribute alike
+    for key, t in state_dict.items():
+        expert = EXPERT.search(key)
+        kind = expert.group(1) if expert else "plain" if key in buffers or layout == "ep64" else "param"
+        signature = (tuple(t.shape), t.element_size(), kind)
+        kinds[signature] = kinds.get(signature, 0) + 1
+    out = [0] * world
+    for (shape, esize, kind), count in kinds.items():
+        for r in range(world):
+            out[r] += count * esize * _elements(shape, kind, layout, world, r)
+    return out
+
+
+def _elements(shape: tuple[int, ...], kind: str, layout: str, world: int, r: int) -> int:
+    if not shape:
+        return 1 if r == 0 else 0
+    row = math.prod(shape[1:])
+    shards = world // 8  # HSDP 8 x (W / 8): rank r is replica r // shards of shard r % shards
+    if kind == "plain" or layout == "fsdp":  # on every rank (split among them), or FSDP Shard(0)
+        return chunk(shape[0], world, r) * row
+    if kind == "param":  # HSDP: the shard's rows, split among the 8 replicas
+        return chunk(chunk(shape[0], shards, r % shards), 8, r // shards) * row
+    if layout == "hsdp":
+        replicas, replica, experts = 8, r // shards, chunk(shape[0], shards, r % shards)
+    else:  # EP 64 x expert-DP W / 64: E / 64 experts per rank, each split among its W / 64 replicas
+        replicas, replica, experts = world // 64, r // 64, shape[0] // 64
+    # per-expert HF pieces, each split among the replicas along its own dim 0
+    if kind == "gate_up_proj":  # [E, 2I, H] -> gate [I, H], up [I, H]
+        return experts * 2 * chunk(shape[1] // 2, replicas, replica) * shape[2]
+    return experts * chunk(shape[1], replicas, replica) * shape[2]  # [E, H, I] -> down [H, I]
+
+
+# --------------------------------------------------------------------------------------------------
+# Every rank of the three published models
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def metas(tmp_path_factory):
+    from nemo_moe_export.planner import build_meta_model
+    from nemo_moe_export.planner.model import from_config_file
+
+    out = {}
+    for name, values in MODELS.items():
+        folder = tmp_path_factory.mktemp(name)
+        (folder / "config.json").write_text(json.dumps(values))
+        target = from_config_file(folder, ParallelConfig(), ExportOptions())
+        out[name] = (target, build_meta_model(target.config, target.dtype))
+    return out
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_rank_of_the_published_models_matches_the_closed_form(metas, model):
+    from nemo_moe_export.planner import simulate
+
+    target, meta = metas[model]
+    low, high = PARAMETERS[model]
+    params = sum(t.numel() for k, t in meta.state_dict.items() if k not in meta.buffers)
+    assert low < params < high, params
+    checkpoint = sum(t.numel() * t.element_size() for t in meta.state_dict.values())
+    spread = {}
+    for world in WORLDS:
+        for layout, parallel in LAYOUTS.items():
+            sim = simulate(meta, parallel(world), world, ExportOptions(), device="cpu")
+            got = [r.bytes for r in sim.ranks]
+            assert sim.coverage_ok and sim.tiling_ok, (layout, world)
+            assert sum(got) == sim.plan.total_tensor_bytes == checkpoint
+            assert set(sim.digests) == {sim.plan.digest()}
+            assert got == expected_rank_bytes(meta.state_dict, meta.buffers, layout, world), (layout, world)
+            spread[(layout, world)] = max(got) / (sum(got) / world)
+    assert all(v >= 1.0 for v in spread.values())
+    print(model, {f"{k[0]}@{k[1]}": round(v, 4) for k, v in spread.items()})  # max/mean rank bytes, -s shows it
+
+
+def test_ranks_holding_no_expert(metas):
+    """Kimi K2's 384 experts on 512 FSDP ranks: ranks 384..511 hold none and write only dense rows."""
+    from nemo_moe_export.planner import simulate
+
+    _, meta = metas["kimi_k2"]
+    sim = simulate(meta, ParallelConfig(strategy="fsdp"), 512, ExportOptions(), device="cpu")
+    expert_keys = [k for k in sim.plan.tensors if ".mlp.experts." in k]
+    assert len(expert_keys) == 384 * 60 * 3
+    with_experts = [r.bytes for r in sim.ranks[:384]]
+    without = [r.bytes for r in sim.ranks[384:]]
+    expert_bytes = 60 * 3 * 7168 * 2048 * 2  # one expert of each MoE layer, bf16
+    assert min(with_experts) - max(without) > 0.9 * expert_bytes  # the rest: dense rows, nearly equal
+    assert sim.coverage_ok and sim.tiling_ok
+
+
+# --------------------------------------------------------------------------------------------------
+# The planner against the real export (real gloo ranks, a tiny model)
+# --------------------------------------------------------------------------------------------------
+
+TINY = dict(n_experts=6, hidden_size=64, moe_intermediate_size=32, num_layers=4, vocab_size=128)
+REAL = [("fsdp", dict(strategy="fsdp"), None), ("hsdp", dict(strategy="hsdp", replicate=2), "bfloat16"),
+        ("ep", dict(strategy="ep", ep_size=2), None), ("ep_fsdp", dict(strategy="ep_fsdp", ep_size=2), "bfloat16")]
+
+
+def _real_exports(world, workdir):
+    from nemo_moe_export.export import export_hf_checkpoint
+    from nemo_moe_export.recipe.trainer import shard_model
+    from nemo_moe_export.tiny_models import tiny_model
+
+    out = {}
+    for name, parallel, dtype in REAL:
+        model, _ = shard_model(tiny_model("deepseek_v3", **TINY), ParallelConfig(**parallel))
+        result = export_hf_checkpoint(os.path.join(workdir, f"{name}-{world}"), model, dtype=dtype,
+                                      max_shard_size="40KB")
+        out[name] = dict(bytes=result.rank_bytes_written, owned=result.files_owned, written=result.files_written,
+                         staged=int(result.io["staged_bytes"]), checkpoint=result.checkpoint_bytes, files=result.files)
+    return out
+
+
+def _real_export_worker(rank, world, workdir):
+    """The exports on all 8 ranks, then on a fresh 4-rank world of ranks 0-3 (one start-up for both)."""
+    import torch.distributed as dist
+
+    out = {8: _real_exports(world, workdir)}
+    dist.destroy_process_group()
+    if rank < 4:
+        dist.init_process_group("gloo", init_method=f"file://{workdir}/store4", rank=rank, world_size=4)
+        out[4] = _real_exports(4, workdir)
+        dist.destroy_process_group()
+    # spawn's own teardown destroys the default group: give it one (also waits for ranks 0-3)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/store_end", rank=rank, world_size=world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_exports(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("real")
+    return spawn(_real_export_worker, 8, str(workdir), timeout_s=300)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, world):
+    from nemo_moe_export.planner import build_meta_model, simulate
+    from nemo_moe_export.planner.model import from_config_file
+    from nemo_moe_export.tiny_models import tiny_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("deepseek_v3", **TINY).to_dict()))
+    target = from_config_file(tmp_path, ParallelConfig(), ExportOptions())
+    meta = build_meta_model(target.config, target.dtype)
+    assert meta.members == {0: (0,), 1: (1, 2, 3)}  # the MoE layers are simulated once, counted three times
+    real = [per_rank[world] for per_rank in real_exports[:world]]
+    for name, parallel, dtype in REAL:
+        sim = simulate(meta, ParallelConfig(**parallel), world, ExportOptions(dtype=dtype, max_shard_size="40KB"),
+                       device="cpu")
+        assert len(sim.plan.files) == real[0][name]["files"] > 4
+        for rank, planned in enumerate(sim.ranks):
+            got = real[rank][name]
+            owned = sorted(f for f, owner in sim.file_owner.items() if owner == rank)
+            assert (planned.bytes, planned.files_owned, planned.files_written, planned.staged_bytes) == (
+                got["bytes"], len(got["owned"]), len(got["written"]), got["staged"]), (name, rank)
+            assert owned == got["owned"]
+        assert sim.total_bytes == real[0][name]["checkpoint"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line
+# --------------------------------------------------------------------------------------------------
+
+
+def test_cli_json_table_and_one_line_errors(tmp_path, capsys):
+    from nemo_moe_export.cli import main
+
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--layout", "hsdp", "--replicate",
+                 "2", "--json", "--per-rank", "--node-bandwidth", "1GB", "--ranks-per-node", "4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checks"]["every_element_one_writer"] and report["checks"]["plan_digest_identical"]
+    assert sum(r["bytes"] for r in report["ranks"]) == report["checkpoint"]["bytes"]
+    assert report["time"]["write_s"] == pytest.approx(report["checkpoint"]["bytes"] / 1e9, rel=1e-3)
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "8", "--layout", "ep", "--ep", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "bytes to write" in table and "predicted export time" in table and "plan digest identical" in table
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "8", "--layout", "ep", "--ep", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("nemo-moe-export: error:") and "n_experts % ep_size == 0" in err[0]
+    assert main(["plan", "--model-preset", "no_such_model", "--world", "8"]) == 2
+    assert "unknown model preset" in capsys.readouterr().err
+
+
+def test_cli_plans_mmlu_steps_and_rows_per_rank_per_policy(tmp_path, capsys):
+    """``--mmlu``: every row is evaluated once under lockstep, by both EP peers under expert_dp; lockstep gives every rank
+    the same number of steps, each batch split over the 4 ranks; expert_dp splits rows over the 2
+    expert-DP shards, the 2 ranks of an EP group running the same ones."""
+    from nemo_moe_export.cli import main
+    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+
+    data = write_synthetic_mmlu(tmp_path / "mmlu", n_train=20, n_test=6, subjects=["modular_arithmetic", "comparison", "parity"])
+    build_tokenizer(data).save_pretrained(tmp_path / "tok")
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--layout", "ep", "--ep", "2",
+                 "--mmlu", str(data), "--tokenizer", str(tmp_path / "tok"), "--json"]) == 0
+    mmlu = json.loads(capsys.readouterr().out)["mmlu"]
+    assert mmlu["questions"] == 18 and mmlu["rows"] == 18 and mmlu["shared_prefixes"] == 3
+    lockstep, expert_dp = mmlu["policies"]["lockstep"], mmlu["policies"]["expert_dp"]
+    assert lockstep["rows_total"] == mmlu["rows"]  # each row on one rank
+    assert expert_dp["rows_total"] == 2 * mmlu["rows"]  # each row on both ranks of its EP group
+    assert len(lockstep["per_rank"]) == len(expert_dp["per_rank"]) == 4
+    # lockstep: each global batch's rows split over the 4 ranks, one step per batch on every rank
+    assert {r["steps"] for r in lockstep["per_rank"]} == {mmlu["batches"]}
+    assert {r["shards"] for r in lockstep["per_rank"]} == {4}
+    # expert_dp: split over the 2 expert-DP shards; EP peers (ranks 0, 1 and 2, 3) run the same rows
+    ranks = expert_dp["per_rank"]
+    assert len({r["steps"] for r in ranks}) == 1 and {r["shards"] for r in ranks} == {2}
+    assert ranks[0]["rows"] == ranks[1]["rows"] and ranks[2]["rows"] == ranks[3]["rows"]
+    assert ranks[0]["rows"] + ranks[2]["rows"] == mmlu["rows"]
