@@ -5,8 +5,8 @@ For each world size, on the same model and layout:
 1. the node's write bandwidth is measured the way the time model assumes it
    (``--measure-bandwidth``: ``W`` writer processes at once, each pwriting its share of the
    checkpoint's size in 2 MiB slices with early writeback, then fsync; bandwidth = bytes / wall
-   time), and the collective latency as an agreement's all-reduce among ``W`` gloo ranks over
-   log2(W);
+   time), the collective latency as an agreement's all-reduce among ``W`` gloo ranks over
+   log2(W), and a small-file operation (4 KB written and fsynced);
 2. ``nemo_moe_export.planner`` predicts the export on ``W`` ranks, one node, with that bandwidth
    (and a checksum bandwidth measured with ``replicas.checksum``);
 3. the real ``export_hf_checkpoint`` runs on ``W`` gloo ranks (``spawn``) on the model sharded by
@@ -79,18 +79,40 @@ def measure_bandwidth(directory: str, total_bytes: int, writers: int) -> dict:
                 bytes_per_s=share * writers / seconds)
 
 
-def _latency_worker(rank: int, world: int, rounds: int) -> float:
-    """The median seconds of one all-reduce of a status word (what an agreement is) on this rank."""
+def measure_file_op(directory: str, rounds: int = 20) -> float:
+    """Median seconds of one small-file operation as the export's bookkeeping makes them: a 4 KB
+    file created, written and fsynced (the time model's ``file_op_s``)."""
     import statistics
 
-    import torch
-    import torch.distributed as dist
+    folder = tempfile.mkdtemp(prefix="nme-fileop-", dir=directory)
+    times = []
+    try:
+        for i in range(rounds):
+            started = time.perf_counter()
+            fd = os.open(os.path.join(folder, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, b"{}" * 2048)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            times.append(time.perf_counter() - started)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return statistics.median(times)
 
-    word = torch.zeros(2, dtype=torch.int64)
+
+def _latency_worker(rank: int, world: int, rounds: int) -> float:
+    """The median seconds of one agreement (``parallel.Coordinator.agree``: the all-reduce of a
+    status word, as the export's steps end) on this rank."""
+    import statistics
+
+    from nemo_moe_export.parallel import Coordinator
+
+    coordinator = Coordinator(timeout_s=60, name="latency")
     times = []
     for i in range(rounds + 10):  # the first ten connect the pairs and warm up
         started = time.perf_counter()
-        dist.all_reduce(word)
+        coordinator.agree(f"round {i}")
         if i >= 10:
             times.append(time.perf_counter() - started)
     return statistics.median(times)
@@ -98,7 +120,7 @@ def _latency_worker(rank: int, world: int, rounds: int) -> float:
 
 def measure_collective_latency(world: int, rounds: int = 50) -> float:
     """Seconds per step of a small collective among ``world`` gloo ranks on this machine, the
-    ``collective_latency_s`` of the time model: an agreement's all-reduce time over log2(W)."""
+    ``collective_latency_s`` of the time model: an agreement's time over log2(W)."""
     import math
 
     from nemo_moe_export.spawn import spawn
@@ -180,12 +202,16 @@ def run_world(args, world: int) -> dict:
     meta = build_meta_model(_config(args), torch.bfloat16)
     sim = simulate(meta, ParallelConfig(**strategy), world, ExportOptions(max_shard_size=args.max_shard_size),
                    device="cpu")
+    # A first, discarded measurement: the disk's first burst after the model build ran at a third
+    # of the later ones' speed here, and the exports measured are medians of warm runs too.
+    measure_bandwidth(args.dir, sim.plan.total_tensor_bytes, world)
     runs = [measure_bandwidth(args.dir, sim.plan.total_tensor_bytes, world) for _ in range(args.repeat)]
     bandwidth = sorted(runs, key=lambda r: r["bytes_per_s"])[len(runs) // 2]  # the median run
     checksum_bw = measure_checksum_bandwidth()
     latency = measure_collective_latency(world)
+    file_op = measure_file_op(args.dir)
     model = TimeModel(bandwidth["bytes_per_s"], ranks_per_node=world, checksum_bandwidth=checksum_bw,
-                      collective_latency_s=latency, cores_per_node=os.cpu_count())
+                      collective_latency_s=latency, cores_per_node=os.cpu_count(), file_op_s=file_op)
     predicted = predict(sim, model)
     target = os.path.join(tempfile.mkdtemp(prefix="nme-plan-bench-", dir=args.dir), "hf")
     try:
@@ -198,7 +224,7 @@ def run_world(args, world: int) -> dict:
     return dict(
         world_size=world, layout=strategy, checkpoint_bytes=sim.plan.total_tensor_bytes, files=len(sim.plan.files),
         bandwidth=bandwidth, bandwidth_runs=[round(r["bytes_per_s"]) for r in runs], export_runs_s=repeats,
-        checksum_bytes_per_s=checksum_bw, collective_latency_s=latency,
+        checksum_bytes_per_s=checksum_bw, collective_latency_s=latency, file_op_s=file_op,
         predicted=predicted, measured_seconds=measured,
         measured_write_step_s=max(r["step_seconds"].get("write", 0.0) for r in per_rank),
         predicted_over_measured=round(predicted["seconds"] / measured, 3),

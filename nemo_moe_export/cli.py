@@ -221,6 +221,8 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--node-bandwidth", type=_bandwidth, default=2e9, help="write bandwidth of one node (2GB)")
     parser.add_argument("--ranks-per-node", type=_positive_int, default=8)
     parser.add_argument("--checksum-bandwidth", type=_bandwidth, help="bytes/s a rank checksums (cuda 1TB, cpu 5GB)")
+    parser.add_argument("--file-op-seconds", type=float, default=2e-3,
+                        help="one small file written and fsynced on the target filesystem (0.002)")
     parser.add_argument("--mmlu", help="MMLU question folder: plan the evaluation too (needs --tokenizer)")
     parser.add_argument("--tokenizer", help="tokenizer directory for --mmlu")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -258,7 +260,8 @@ def _plan_report(args: Any) -> dict:
                  if v is not None}
     target = replace(target, parallel=parallel, export=ExportOptions.of(target.export, **overrides))
     checksum = args.checksum_bandwidth or (1e12 if args.device == "cuda" else 5e9)
-    model = TimeModel(args.node_bandwidth, args.ranks_per_node, checksum_bandwidth=checksum)
+    model = TimeModel(args.node_bandwidth, args.ranks_per_node, checksum_bandwidth=checksum,
+                      file_op_s=args.file_op_seconds)
     mmlu = (args.mmlu, args.tokenizer) if args.mmlu else None
     return plan_job(target, args.world, model, device=args.device, per_rank=args.per_rank, mmlu=mmlu)
 

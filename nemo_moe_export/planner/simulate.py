@@ -84,6 +84,9 @@ class Simulation:
     coverage_allreduce_bytes: int  # the per-key element counts every rank all-reduces in validate
     seconds: float = 0.0
     plan_seconds: float = 0.0  # export_plan_of here: what every rank computes in validate
+    stamp_seconds: float = 0.0  # plan.stamped (every header re-encoded with the job's id), in validate
+    index_seconds: float = 0.0  # rank 0: the index JSON (headers step)
+    verify_seconds: float = 0.0  # rank 0: every planned header decoded as verify decodes it
     layer_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
@@ -234,10 +237,33 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
                 progress(rank + 1, world)
     _add_file_work(ranks, plan, owners)
     coverage_ok = _covered(plan, total_counts)
+    stamp_s, index_s, verify_s = _metadata_seconds(plan)
     return Simulation(world, plan, ranks, digests, coverage_ok, tiling.ok(), owners,
                       coverage_allreduce_bytes=8 * len(plan.tensors),
                       seconds=round(time.perf_counter() - started, 3), plan_seconds=round(plan_seconds, 4),
+                      stamp_seconds=stamp_s, index_seconds=index_s, verify_seconds=verify_s,
                       layer_groups=dict(meta.members))
+
+
+def _metadata_seconds(plan: ExportPlan) -> tuple[float, float, float]:
+    """Seconds of the export's own metadata code on this plan: ``plan.stamped`` (validate, every
+    rank), ``plan.index_json`` (headers, rank 0) and ``safetensors_format.decode_header`` of every
+    stamped header (what verify does per file on rank 0, without the reads)."""
+    import io
+
+    from nemo_moe_export.export.target import new_export_id
+    from nemo_moe_export.safetensors_format import decode_header
+
+    started = time.perf_counter()
+    stamped = plan.stamped(new_export_id())
+    stamp_s = time.perf_counter() - started
+    started = time.perf_counter()
+    stamped.index_json()
+    index_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for f in stamped.files:
+        decode_header(io.BytesIO(f.header), f.size, name=f.name)
+    return round(stamp_s, 4), round(index_s, 4), round(time.perf_counter() - started, 4)
 
 
 def _plan_and_expansion(meta: MetaModel, options: ExportOptions) -> tuple[ExportPlan, "_Expansion"]:
