@@ -63,6 +63,32 @@ def _clear(root: str) -> None:
             os.remove(path)
 
 
+def measured_run(fn: Any, cuda: bool) -> tuple[Any, float, float, float | None]:
+    """One timed run of ``fn`` on every rank, the disk quiesced (``sync``) and the ranks lined up
+    before and after: ``(fn's result, seconds, peak RSS growth in MiB, peak GPU memory growth in
+    MiB or None off the GPU)``."""
+    import torch
+    import torch.distributed as dist
+
+    os.sync()
+    dist.barrier()
+    _reset_hwm()
+    rss0 = _status_mib("VmRSS")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        gpu0 = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    rss = max(0.0, _status_mib("VmHWM") - rss0)
+    gpu = (torch.cuda.max_memory_allocated() - gpu0) / 2**20 if cuda else None
+    return out, seconds, rss, gpu
+
+
 def measure_exports(model: Any, root: str, *, methods: list[str], repeat: int = 1, shard_size: str = "5GB",
                     writer_threads: tuple[int, ...] = (1,), raw_threads: tuple[int, ...] = (1, 4)) -> dict[str, Any]:
     """Run the export ``methods`` on this rank (every rank calls it); returns this rank's results."""
@@ -81,23 +107,10 @@ def measure_exports(model: Any, root: str, *, methods: list[str], repeat: int = 
         for _ in range(repeat):
             if rank == 0:
                 _clear(root)
-            os.sync()
-            dist.barrier()
-            _reset_hwm()
-            rss0 = _status_mib("VmRSS")
+            extra, seconds, rss, gpu = measured_run(fn, cuda)
+            run = dict(seconds=seconds, bytes=extra.pop("bytes"), rss=rss, **extra)
             if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                gpu0 = torch.cuda.memory_allocated()
-            t0 = time.perf_counter()
-            extra = fn()
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            seconds = time.perf_counter() - t0
-            run = dict(seconds=seconds, bytes=extra.pop("bytes"), rss=max(0.0, _status_mib("VmHWM") - rss0), **extra)
-            if cuda:
-                run["gpu"] = (torch.cuda.max_memory_allocated() - gpu0) / 2**20
+                run["gpu"] = gpu
             runs.append(run)
         med = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
         results[name] = dict(

@@ -215,10 +215,9 @@ def _run_method(name: str, model: Any, root: str, args: argparse.Namespace) -> d
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
 
-    from export_methods import _reset_hwm, _status_mib
+    from export_methods import measured_run
 
     cuda = args.device == "cuda"
     model = _build(args, world, args.device)
@@ -233,22 +232,10 @@ def _worker(rank: int, world: int, args: argparse.Namespace, root: str) -> dict[
             if rank == 0:
                 for entry in (name, name + "-bf16"):
                     shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-            os.sync()
-            dist.barrier()
-            _reset_hwm()
-            rss0 = _status_mib("VmRSS")
+            run, seconds, rss, gpu = measured_run(lambda: _run_method(name, model, root, args), cuda)
+            run.update(seconds=seconds, rss_mib=rss)
             if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                gpu0 = torch.cuda.memory_allocated()
-            t0 = time.perf_counter()
-            run = _run_method(name, model, root, args)
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            run.update(seconds=time.perf_counter() - t0, rss_mib=max(0.0, _status_mib("VmHWM") - rss0))
-            if cuda:
-                run["gpu_mib"] = (torch.cuda.max_memory_allocated() - gpu0) / 2**20
+                run["gpu_mib"] = gpu
             results[name].append(run)
     if rank == 0:
         results["fp8_equals_offline"] = _same_tensors(os.path.join(root, "fp8"), os.path.join(root, "bf16_then_offline"))

@@ -102,7 +102,7 @@ from nemo_moe_export.evaluate.scoring import aggregate
 from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
 from nemo_moe_export.progress import Progress
 
-__all__ = ["MMLUStepError", "evaluate_mmlu", "phase_coordinator"]
+__all__ = ["MMLUStepError", "evaluate_mmlu", "global_batches", "phase_coordinator"]
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +149,7 @@ def evaluate_mmlu(
     layout = layout if layout is not None else discover_layout()
     # 1-2. prepare and plan: no communication, so bad input raises here on every rank alike
     prepared = _prepared(model, tokenizer, questions, dev, opts)
-    uniform_shapes = wants_uniform_shapes(model) if opts.uniform_shapes is None else opts.uniform_shapes
-    prefixes = _shared_prefixes(model, prepared, opts, uniform_shapes)
-    budget = (default_tokens_per_batch(model, shared_prefix=bool(prefixes)) if opts.tokens_per_batch is None
-              else opts.tokens_per_batch)
-    batches = plan_batches(prepared.rows, opts.batch_size, token_budget=budget, prefixes=prefixes)
+    batches, budget, prefixes, uniform_shapes = global_batches(model, prepared, opts)
     plan = plan_steps(batches, opts.policy, layout, uniform_shapes=uniform_shapes)
     prepared_at = time.perf_counter()
     # the first collective: every rank arrived, with the same plan
@@ -184,6 +180,19 @@ def evaluate_mmlu(
                                 tokens_per_batch=budget, prefixes=prefixes),
         steps=plan.n_steps,
     )
+
+
+def global_batches(model: Any, prepared: PreparedQuestions, opts: MMLUOptions
+                   ) -> tuple[list[Batch], int, tuple[SharedPrefix, ...], bool]:
+    """``(batches, token budget, shared prefixes, uniform shapes)``: the evaluation's global batch
+    plan for ``model``, the same on every rank and with no communication (the planner,
+    ``planner/mmlu.py``, calls it for each simulated layout)."""
+    uniform_shapes = wants_uniform_shapes(model) if opts.uniform_shapes is None else opts.uniform_shapes
+    prefixes = _shared_prefixes(model, prepared, opts, uniform_shapes)
+    budget = (default_tokens_per_batch(model, shared_prefix=bool(prefixes)) if opts.tokens_per_batch is None
+              else opts.tokens_per_batch)
+    batches = plan_batches(prepared.rows, opts.batch_size, token_budget=budget, prefixes=prefixes)
+    return batches, budget, prefixes, uniform_shapes
 
 
 def _prepared(model: Any, tokenizer: Any, questions: Sequence[Question] | PreparedQuestions,

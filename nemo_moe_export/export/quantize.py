@@ -437,7 +437,7 @@ class Fp8Writer(StorageWriter):
             if call < len(self.batches):
                 batch = batch + self._quantized(self.batches[call], stats)
             _add(stats, self.inner.write(plan, batch, directory))
-            del batch
+            del batch  # this batch's FP8 goes before the next one is made
 
     def __repr__(self) -> str:
         return f"Fp8Writer({self.inner!r}, calls={self.calls})"

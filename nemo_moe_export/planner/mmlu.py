@@ -1,7 +1,7 @@
 """MMLU under a layout: steps and rows per rank per policy, from the evaluator's own planning code.
 
-The questions are tokenized (``evaluate/prepare.py``), shared prefixes found
-(``evaluate/prefixes.py``), the global batches planned (``planning.plan_batches``) and each
+The questions are tokenized (``evaluate/prepare.py``), the global batches planned by the
+evaluator's own ``global_batches`` (shared prefixes, token budget, uniform shapes) and each
 simulated rank's steps derived (``planning.plan_steps``) exactly as ``evaluate_mmlu`` does on that
 rank; only the ParallelLayout is built from the rank lists instead of process groups (the
 planner has none): dense DP is the world, EP groups and expert-DP groups are Megatron's
@@ -39,9 +39,9 @@ def plan_mmlu(data_path: str, tokenizer_path: str, parallel: Any, world: int, me
     from transformers import AutoTokenizer
 
     from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.planning import default_tokens_per_batch, plan_batches, plan_steps
-    from nemo_moe_export.evaluate.prefixes import find_shared_prefixes, prefix_multiple
-    from nemo_moe_export.evaluate.prepare import default_max_length, prepare_questions
+    from nemo_moe_export.evaluate.evaluator import global_batches
+    from nemo_moe_export.evaluate.planning import plan_steps
+    from nemo_moe_export.evaluate.prepare import default_max_length, model_vocab_size, prepare_questions
 
     opts = options or MMLUOptions()
     questions = load_mmlu(data_path, splits=("dev", "test"))
@@ -49,17 +49,15 @@ def plan_mmlu(data_path: str, tokenizer_path: str, parallel: Any, world: int, me
     test = [q for q in questions if q.split == "test"]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     prepared = prepare_questions(tokenizer, test, dev, k_shot=opts.k_shot, scoring=opts.scoring,
-                                 max_length=opts.max_length or default_max_length(meta.model, tokenizer))
-    prefixes = find_shared_prefixes(prepared, multiple=prefix_multiple(meta.model)) if opts.shared_prefix else ()
-    budget = (default_tokens_per_batch(meta.model, shared_prefix=bool(prefixes)) if opts.tokens_per_batch is None
-              else opts.tokens_per_batch)
-    batches = plan_batches(prepared.rows, opts.batch_size, token_budget=budget, prefixes=prefixes)
+                                 max_length=opts.max_length or default_max_length(meta.model, tokenizer),
+                                 vocab_size=model_vocab_size(meta.model))
+    batches, budget, prefixes, uniform_shapes = global_batches(meta.model, prepared, opts)
     out: dict[str, Any] = dict(questions=len(test), rows=len(prepared.rows), batches=len(batches),
                                tokens_per_batch=budget, shared_prefixes=len(prefixes), policies={})
     for policy in PLANNED_POLICIES:
         per_rank = []
         for rank in range(world):
-            steps = plan_steps(batches, policy, rank_layout(rank, world, parallel))
+            steps = plan_steps(batches, policy, rank_layout(rank, world, parallel), uniform_shapes=uniform_shapes)
             mine = [b for b in steps.batch_of_step if b is not None]
             per_rank.append(dict(steps=steps.n_steps, forwards=len(mine), dummy_steps=steps.n_steps - len(mine),
                                  rows=sum(len(batches[b].rows) for b in mine), shard=steps.shard_rank,
