@@ -8,10 +8,13 @@ NCCL) through ``run_recipe`` exactly as the CLI does, and on the trained, still 
    ``from_pretrained`` on its GPU, compares logits with the sharded model's on the same batch, and
    re-runs the MMLU evaluation on the loaded model;
 2. times MMLU with each evaluation policy (``expert_dp`` and the default ``lockstep``) on the same
-   questions and requires identical predictions;
-3. times the exports side by side (``export_methods.py``): ours (1 and 4 writer threads per rank),
-   gather + ``save_pretrained``, torch DCP + consolidation, and the raw disk (O_DIRECT, 1 and 4
-   threads per rank) with peak GPU and host memory per rank.
+   questions and requires identical predictions; compares the recipe's shared-prefix predictions
+   with full prompts' on the trained model, question for question, each disagreement with its
+   margin (``shared_prefix_agreement``);
+3. times the exports side by side (``export_methods.py``): ours in bf16 (1 and 4 writer threads
+   per rank) and in FP8 (both scale formats), gather + ``save_pretrained``, torch DCP +
+   consolidation, and the raw disk (O_DIRECT, 1 and 4 threads per rank) with peak GPU and host
+   memory per rank.
 
 Prints one JSON object (and writes it to ``--out``). One command per configuration:
 
@@ -49,7 +52,7 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=1, help="ranks (one GPU each)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--run-dir", default=None, help="default: a temp dir (removed at the end)")
-    parser.add_argument("--methods", default="gather,dcp,raw_disk", help="export methods beside ours")
+    parser.add_argument("--methods", default="fp8,gather,dcp,raw_disk", help="export methods beside ours")
     parser.add_argument("--writer-threads", default="1,4", help="ours: pwrite threads per rank, comma-separated")
     parser.add_argument("--repeat", type=int, default=1, help="runs per export method and MMLU policy (median)")
     parser.add_argument("--policies", default="expert_dp,lockstep")
@@ -202,6 +205,7 @@ def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: lis
                            questions=len(result.records), questions_per_s=round(len(result.records) / seconds, 2),
                            steps=result.steps, padding_waste=round(result.padding["waste"], 4),
                            accuracy=result.metrics["overall"]["acc"])
+    out["shared_prefix_agreement"] = _prefix_agreement(ctx, cfg, test, dev, coordinator)
     first = predictions[policies[0]]
     out["predictions_identical_across_policies"] = all(p == first for p in predictions.values())
     out["predictions_identical_to_recipe_stage"] = first == trained_predictions
@@ -209,6 +213,28 @@ def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: lis
     if "expert_dp" in out and "lockstep" in out:
         out["lockstep_over_expert_dp"] = round(out["expert_dp"]["seconds"] / out["lockstep"]["seconds"], 2)
     return out
+
+
+def _prefix_agreement(ctx: Any, cfg: Any, test: list[Any], dev: list[Any], coordinator: Any) -> dict[str, Any]:
+    """The trained model on the held-out questions 5-shot (the recipe trains 0-shot, where nothing is
+    shared): shared prefixes against full prompts, question for question, with the margins."""
+    from mmlu_bench import agreement
+
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
+    from nemo_moe_export.evaluate.prepare import prepare_questions
+
+    prepared = prepare_questions(ctx.tokenizer, test, dev, k_shot=5)
+    runs = {}
+    for shared in (True, False):
+        started = time.perf_counter()
+        runs[shared] = evaluate_mmlu(ctx.model, ctx.tokenizer, prepared, layout=ctx.layout, shared_prefix=shared,
+                                     policy=cfg.mmlu.policy, coordinator=coordinator, progress=False)
+        runs[shared].timing["bench_seconds"] = round(time.perf_counter() - started, 3)
+    shared, full = runs[True], runs[False]
+    return dict(k_shot=5, prefix_attention=shared.scoring["prefix_attention"],
+                seconds={"shared_prefix": shared.timing["bench_seconds"], "full_prompts": full.timing["bench_seconds"]},
+                accuracy={"shared_prefix": shared.metrics["overall"]["acc"], "full_prompts": full.metrics["overall"]["acc"]},
+                **agreement([r["scores"] for r in shared.records], [r["scores"] for r in full.records]))
 
 
 def _measure(ctx: Any, cfg: Any, args: argparse.Namespace) -> None:

@@ -314,12 +314,28 @@ def _summary(runs: list[dict[str, Any]], workload: dict[str, Any], active: int) 
 
 
 def _agreement(scores: dict[str, Any], a: str, b: str) -> dict[str, Any]:
-    first, second = scores[a], scores[b]
-    pick = [max(range(4), key=lambda i: (s[i], -i)) for s in first]
-    same = sum(p == max(range(4), key=lambda i: (s[i], -i)) for p, s in zip(pick, second))
-    worst = max(abs(x - y) for s, t in zip(first, second) for x, y in zip(s, t))
-    return {"vs": b, "same_predictions": same, "questions": len(first), "agreement": same / len(first),
-            "max_loglikelihood_diff": worst}
+    return {"vs": b, **agreement(scores[a], scores[b])}
+
+
+def agreement(got: list[list[float]], reference: list[list[float]]) -> dict[str, Any]:
+    """How often two evaluations' choice scores (one list per question) pick the same answer, and
+    for each question they disagree on, the reference's *margin*: its best score minus its second
+    best (a near-tie is a margin within the two runs' score differences), beside the median margin."""
+    def pick(s: list[float]) -> int:
+        return max(range(len(s)), key=lambda i: (s[i], -i))
+
+    def margin(s: list[float]) -> float:
+        top = sorted(s, reverse=True)
+        return top[0] - top[1]
+
+    differ = [i for i, (s, t) in enumerate(zip(got, reference)) if pick(s) != pick(t)]
+    return {"same_predictions": len(got) - len(differ), "questions": len(got),
+            "agreement": (len(got) - len(differ)) / len(got),
+            "max_loglikelihood_diff": max(abs(x - y) for s, t in zip(got, reference) for x, y in zip(s, t)),
+            "median_margin": statistics.median(margin(t) for t in reference),
+            "disagreements": [{"question": i, "reference_margin": round(margin(reference[i]), 5),
+                               "max_score_diff": round(max(abs(x - y) for x, y in zip(got[i], reference[i])), 5)}
+                              for i in differ[:50]]}
 
 
 def report(result: dict[str, Any], args: argparse.Namespace, load: tuple[float, float, float]) -> dict[str, Any]:

@@ -242,6 +242,36 @@ def test_fp8_export_loads_back_into_the_sharded_model_as_the_reference_dequantiz
 
 # --- one process: transformers' own FP8 support, the tables, refusals, verify ---------------------
 
+# Whole blocks everywhere, 6 experts in one process: every expert share is reduced in a run with
+# others of its fused tensor (docs/design.md#fp8-export), so a run that put one share's amaxes in
+# another's place shows in the bytes. Exact scales, not ue8m0: the power-of-two scales of random
+# blocks mostly agree, and would hide such a swap.
+RUN_CASE = Case("runs", "one process", 6, None, sizes=(("hidden_size", 256), ("moe_intermediate_size", 128)))
+
+
+@pytest.mark.parametrize("layout,expert_runs", [("fused", 2), ("grouped", 7)])
+def test_expert_shares_reduced_in_runs_equal_the_reference(layout, expert_runs, tmp_path):
+    """Fused ``[E, 2I, H]`` / ``[E, H, I]``: gate and up shares interleave at one step (one run),
+    down is another. AutoModel's grouped layout (transposed views): gate and up alternate two
+    steps, so they pair up (6 runs), and down is one run. Dense weights are their own runs."""
+    from checks import to_grouped_layout
+
+    from nemo_moe_export.export import export_hf_checkpoint
+
+    model = tiny_bf16(RUN_CASE.n_experts, sizes=RUN_CASE.sizes)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    result = export_hf_checkpoint(tmp_path / "fp8", state_dict=sd if layout == "fused" else to_grouped_layout(sd),
+                                  config=model.config, quantize="fp8_block", scale_fmt=RUN_CASE.scale_fmt)
+    expected, stored = _expected(RUN_CASE), _stored(str(tmp_path / "fp8"))
+    assert sorted(stored) == sorted(expected)
+    for key, want in expected.items():
+        assert torch.equal(stored[key].contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), key
+    quantized = [k for k, t in stored.items() if t.dtype == torch.float8_e4m3fn]
+    experts = [k for k in quantized if ".experts." in k]
+    assert len(experts) == 3 * RUN_CASE.n_experts
+    assert result.io["amax_runs"] == len(quantized) - len(experts) + expert_runs
+
+
 # Dims that are multiples of 128 or below it: transformers 5.24's CPU path (dequantize=True) takes
 # the block size as rows // scale_rows, which is only right for such shapes (an FP8 loader limit
 # of transformers, not of the format: 400 rows in 4 scale rows would be read as blocks of 100).

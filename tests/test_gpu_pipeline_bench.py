@@ -52,10 +52,17 @@ def test_pipeline_bench_on_two_cpu_ranks(tmp_path, strategy):
     if strategy[0].startswith("parallel=ep"):  # EP=world: expert_dp runs every batch on both ranks
         assert mmlu["lockstep"]["steps"] < mmlu["expert_dp"]["steps"]
 
+    agreement = mmlu["shared_prefix_agreement"]  # the recipe's shared prefixes vs full prompts, bf16
+    assert agreement["prefix_attention"] == "packed" and agreement["questions"] == 4 * 12
+    assert agreement["agreement"] >= 0.9, agreement
+
     export = measured["export"]
     assert export["checkpoint_bytes"] == report["export"]["bytes"]
-    for name in ("ours_threads1", "ours_threads4", "gather", "dcp", "raw_disk_threads1", "raw_disk_threads4"):
+    for name in ("ours_threads1", "ours_threads4", "fp8_e4m3_scales", "fp8_ue8m0_scales", "gather", "dcp",
+                 "raw_disk_threads1", "raw_disk_threads4"):
         assert "seconds" in export["results"][name], (name, export["results"][name])
+    fp8 = export["results"]["fp8_e4m3_scales"]
+    assert sum(r["bytes_written"] for r in fp8["io_per_rank"]) < 0.75 * report["export"]["bytes"]
     ours_io = export["results"]["ours_threads1"]["io_per_rank"]
     assert sum(r["bytes_written"] for r in ours_io) == report["export"]["bytes"]
     assert report["train"]["steps"] == 3 and not os.path.exists(tmp_path / "run" / "checkpoint")

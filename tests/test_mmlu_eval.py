@@ -41,7 +41,8 @@ MODEL_KW = dict(n_experts=8, num_layers=3, vocab_size=416, seed=0, initializer_r
 SCORE_ATOL = 1e-4
 STALL_TIMEOUT_S = 3.0
 FULL_PROMPTS = dict(tokens_per_batch=0, shared_prefix=False)  # fixed batches of BATCH rows, no cache
-SHARED = dict(tokens_per_batch=600, shared_prefix=True)  # shared prefixes, several units and suffix batches per unit
+# shared prefixes (packed: the tokens a forward feeds), several units and suffix batches per unit
+SHARED = dict(tokens_per_batch=200, shared_prefix=True)
 WORDS = ("alpha beta gamma delta field ring group prime matrix vector virus cell law mind society "
          "ethics norm proof").split()
 DESCRIPTION = "The following are multiple choice questions (with answers) about"
@@ -136,7 +137,9 @@ def _plan(tok, test, dev, layout, policy, **kw):
 
     prepared = prepare_questions(tok, test, dev, k_shot=K_SHOT, max_length=512, scoring=kw.get("scoring", "auto"))
     prefixes = find_shared_prefixes(prepared) if kw.get("shared_prefix", True) else ()
-    batches = plan_batches(prepared.rows, BATCH, token_budget=kw["tokens_per_batch"], prefixes=prefixes)
+    # packed=: the tests' DeepSeek-V3 model evaluates shared prefixes packed (prefix_attention.PACKED_MODEL_TYPES)
+    batches = plan_batches(prepared.rows, BATCH, token_budget=kw["tokens_per_batch"], prefixes=prefixes,
+                           packed=bool(prefixes))
     return plan_steps(batches, policy, layout), batches
 
 

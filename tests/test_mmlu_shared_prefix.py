@@ -57,6 +57,7 @@ def test_shared_prefix_equals_full_prompts_for_every_cache_kind(data, family):
         for budget in (None, 400):  # one unit; several units of several suffix batches
             got = _evaluate(model, tokenizer, test, dev, tokens_per_batch=budget)
             assert got.scoring["shared_prefix_rows"] == got.scoring["rows"] and got.padding["prefix_forwards"] >= 1
+            assert got.scoring["prefix_attention"] == ("copied" if family == "kimi_linear" else "packed")
             _assert_same(got, reference, f"{family}, {where}, tokens_per_batch={budget}")
 
 
@@ -174,3 +175,27 @@ def test_a_row_longer_than_the_budget_still_gets_a_forward_of_its_own(data):
     tiny = plan_batches(prepared.rows, 16, token_budget=8, prefixes=find_shared_prefixes(prepared))
     assert all(b.n_rows == 1 for b in tiny)
     assert sorted(r for b in tiny for r in b.rows) == list(range(len(prepared.rows)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_lse_equals_torch_sdpa_and_its_log_sum_exp(causal, dtype):
+    """The kernels behind the broadcast prefix attention (flash on CPU, and the plain-torch one
+    used where no fused kernel returns the log-sum-exp), against SDPA and a float64 log-sum-exp;
+    value heads narrower than the keys, as MLA's."""
+    from nemo_moe_export.evaluate.prefix_attention import _math_attention_with_lse, attention_with_lse
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(3, 4, 9, 24, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(3, 4, 9, 16, generator=gen).to(dtype)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal,
+                                                            scale=0.3)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 0.3
+    if causal:
+        scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for fn in (lambda: attention_with_lse(q, k, v, 0.3, causal=causal), lambda: _math_attention_with_lse(q, k, v, 0.3, causal)):
+        out, lse = fn()
+        assert out.dtype == dtype and out.shape == want.shape and lse.dtype == torch.float32
+        assert (out.double() - want).abs().max() <= tol
+        assert (lse.double() - scores.logsumexp(-1)).abs().max() <= tol

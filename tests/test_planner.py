@@ -179,6 +179,38 @@ REAL = [("fsdp", dict(strategy="fsdp"), None), ("hsdp", dict(strategy="hsdp", re
         ("ep", dict(strategy="ep", ep_size=2), None), ("ep_fsdp", dict(strategy="ep_fsdp", ep_size=2), "bfloat16")]
 
 
+class _CollectiveLog:
+    """Records every torch.distributed collective the export calls (kind, payload, group size),
+    each passed on unchanged to torch."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce_scatter_tensor",
+             "all_gather_into_tensor", "all_to_all_single", "broadcast_object_list", "gather_object")
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.calls, self.saved = [], {n: getattr(dist, n) for n in self.NAMES}
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._logged(name, fn))
+        return self
+
+    def _logged(self, name, fn):
+        import torch.distributed as dist
+
+        def call(*args, **kwargs):
+            tensor = args[0] if args and torch.is_tensor(args[0]) else None
+            size = dist.get_world_size(kwargs.get("group"))
+            self.calls.append((name, None if tensor is None else tensor.numel(), size))
+            return fn(*args, **kwargs)
+        return call
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
 def _real_exports(world, workdir):
     from nemo_moe_export.export import export_hf_checkpoint
     from nemo_moe_export.recipe.trainer import shard_model
@@ -187,10 +219,12 @@ def _real_exports(world, workdir):
     out = {}
     for name, parallel, dtype in REAL:
         model, _ = shard_model(tiny_model("deepseek_v3", **TINY), ParallelConfig(**parallel))
-        result = export_hf_checkpoint(os.path.join(workdir, f"{name}-{world}"), model, dtype=dtype,
-                                      max_shard_size="40KB")
+        with _CollectiveLog() as log:
+            result = export_hf_checkpoint(os.path.join(workdir, f"{name}-{world}"), model, dtype=dtype,
+                                          max_shard_size="40KB")
         out[name] = dict(bytes=result.rank_bytes_written, owned=result.files_owned, written=result.files_written,
-                         staged=int(result.io["staged_bytes"]), checkpoint=result.checkpoint_bytes, files=result.files)
+                         staged=int(result.io["staged_bytes"]), checkpoint=result.checkpoint_bytes, files=result.files,
+                         collectives=log.calls)
     return out
 
 
@@ -217,6 +251,7 @@ def real_exports(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, world):
+    """Bytes, files and staging per rank, and the collectives the time model counts (docs/design.md#planner)."""
     from nemo_moe_export.planner import build_meta_model, simulate
     from nemo_moe_export.planner.model import from_config_file
     from nemo_moe_export.tiny_models import tiny_config
@@ -236,7 +271,25 @@ def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, worl
             assert (planned.bytes, planned.files_owned, planned.files_written, planned.staged_bytes) == (
                 got["bytes"], len(got["owned"]), len(got["written"]), got["staged"]), (name, rank)
             assert owned == got["owned"]
+            assert _collective_kinds(got["collectives"]) == _planned_kinds(sim, rank), (name, rank)
         assert sim.total_bytes == real[0][name]["checkpoint"]
+
+
+def _collective_kinds(calls):
+    """What the time model counts, from the calls the real export made: one-word all-reduces
+    (agreements and the findings count), vector all-reduces by group size, object all-gathers."""
+    kinds = []
+    for name, numel, group in calls:
+        kind = {"all_reduce": "word" if numel == 1 else "vector", "all_gather_object": "object_gather"}.get(name, name)
+        kinds.append((kind, group))
+    return sorted(kinds)
+
+
+def _planned_kinds(sim, rank):
+    from nemo_moe_export.planner.timing import collectives
+
+    merge = {"agreement": "word", "word_all_reduce": "word", "vector_all_reduce": "vector"}
+    return sorted((merge.get(kind, kind), group) for kind, group in collectives(sim, rank))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ from nemo_moe_export.evaluate.planning import (
     plan_fingerprint,
     plan_steps,
 )
+from nemo_moe_export.evaluate.prefix_attention import shares_prefix_keys
 from nemo_moe_export.evaluate.prefixes import SharedPrefix, find_shared_prefixes, prefix_multiple
 from nemo_moe_export.evaluate.prepare import (
     PreparedQuestions,
@@ -177,7 +178,8 @@ def evaluate_mmlu(
         timing=timing_summary(started, prepared_at, forwards_done, finished, len(prepared.questions)),
         padding=padding_summary(tally for _, tally in gathered),
         scoring=scoring_summary(prepared, batch_size=opts.batch_size, batches=batches, uniform_shapes=uniform_shapes,
-                                tokens_per_batch=budget, prefixes=prefixes),
+                                tokens_per_batch=budget, prefixes=prefixes,
+                                prefix_attention=("packed" if runner.packed else "copied") if prefixes else None),
         steps=plan.n_steps,
     )
 
@@ -191,7 +193,8 @@ def global_batches(model: Any, prepared: PreparedQuestions, opts: MMLUOptions
     prefixes = _shared_prefixes(model, prepared, opts, uniform_shapes)
     budget = (default_tokens_per_batch(model, shared_prefix=bool(prefixes)) if opts.tokens_per_batch is None
               else opts.tokens_per_batch)
-    batches = plan_batches(prepared.rows, opts.batch_size, token_budget=budget, prefixes=prefixes)
+    batches = plan_batches(prepared.rows, opts.batch_size, token_budget=budget, prefixes=prefixes,
+                           packed=bool(prefixes) and shares_prefix_keys(model))
     return batches, budget, prefixes, uniform_shapes
 
 

@@ -59,6 +59,7 @@ import torch
 
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.evaluate.options import POLICIES
+from nemo_moe_export.evaluate.prefix_attention import shares_prefix_keys
 from nemo_moe_export.evaluate.prefixes import SharedPrefix
 from nemo_moe_export.evaluate.prepare import PreparedQuestions, Row
 from nemo_moe_export.options import require
@@ -97,11 +98,13 @@ class Batch:
 
 
 def plan_batches(rows: Sequence[Row], batch_size: int, *, token_budget: int = 0,
-                 prefixes: Sequence[SharedPrefix] = ()) -> list[Batch]:
+                 prefixes: Sequence[SharedPrefix] = (), packed: bool = False) -> list[Batch]:
     """The global list of forwards; ``token_budget`` > 0 sizes batches by tokens instead of rows.
 
     Rows of ``prefixes`` are planned in units (a prefix batch, then its suffix batches); the other
-    rows in batches of whole rows, first. Deterministic: ties are broken by row id."""
+    rows in batches of whole rows, first. With ``packed`` (prefix and suffix forwards packed into
+    one row, the prefix's keys shared: :mod:`.prefix_attention`) a forward costs the tokens it
+    feeds, no padding and no copied prefix. Deterministic: ties are broken by row id."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ExportInputError("batch_size must be a positive integer", key="batch_size", expected=">= 1",
                                actual=batch_size)
@@ -113,8 +116,8 @@ def plan_batches(rows: Sequence[Row], batch_size: int, *, token_budget: int = 0,
         chosen = [plain[i] for i in members]
         batches.append(Batch(len(batches), tuple(r.row_id for r in chosen), len(chosen[0].input_ids),
                              sum(len(r.input_ids) for r in chosen)))
-    for unit in _units(rows, prefixes, budget):
-        _plan_unit(batches, rows, unit, budget)
+    for unit in _units(rows, prefixes, budget, packed):
+        _plan_unit(batches, rows, unit, budget, packed)
     return batches
 
 
@@ -129,19 +132,28 @@ class _Budget:
         """Whether ``n_rows`` rows of ``length`` tokens after ``context`` cached ones make one forward."""
         return n_rows * (context + length) <= self.tokens if self.tokens > 0 else n_rows <= self.batch_size
 
+    def fits_packed(self, n_rows: int, tokens: int) -> bool:
+        """Whether ``n_rows`` rows of ``tokens`` in all make one packed forward (no padding, no cached prefix)."""
+        return tokens <= self.tokens if self.tokens > 0 else n_rows <= self.batch_size
+
     def share(self, attended: int) -> float:
         """The part of one forward a row attending ``attended`` tokens takes."""
         return attended / self.tokens if self.tokens > 0 else 1 / self.batch_size
 
 
-def _cut(lengths: Sequence[int], context: int, budget: _Budget) -> list[list[int]]:
+def _cut(lengths: Sequence[int], context: int, budget: _Budget, packed: bool = False) -> list[list[int]]:
     """Indices of length-sorted (longest first) rows, cut into batches; a batch holds one row at least."""
     batches: list[list[int]] = []
+    fed = 0  # tokens of the last batch, packed
     for i, length in enumerate(lengths):
-        if batches and budget.fits(len(batches[-1]) + 1, lengths[batches[-1][0]], context):
+        fits = (budget.fits_packed(len(batches[-1]) + 1, fed + length) if packed
+                else budget.fits(len(batches[-1]) + 1, lengths[batches[-1][0]], context)) if batches else False
+        if fits:
             batches[-1].append(i)
+            fed += length
         else:
             batches.append([i])
+            fed = length
     return batches
 
 
@@ -153,13 +165,15 @@ class _Unit:
     members: dict[int, list[int]]
     load: float = 0.0  # in forwards' worth of attended tokens
 
-    def takes(self, prefix: SharedPrefix, cost: float, budget: _Budget) -> bool:
+    def takes(self, prefix: SharedPrefix, cost: float, budget: _Budget, packed: bool) -> bool:
         """An empty unit takes anything (a forward holds one row at least)."""
         if not self.lengths:
             return True
-        longest = max([prefix.length, *self.lengths.values()])
-        return (self.load + cost <= UNIT_BATCHES
-                and (prefix.prefix_id in self.lengths or budget.fits(len(self.lengths) + 1, longest, 0)))
+        if prefix.prefix_id in self.lengths:
+            return self.load + cost <= UNIT_BATCHES
+        fits = (budget.fits_packed(len(self.lengths) + 1, sum(self.lengths.values()) + prefix.length) if packed
+                else budget.fits(len(self.lengths) + 1, max([prefix.length, *self.lengths.values()]), 0))
+        return self.load + cost <= UNIT_BATCHES and fits
 
     def add(self, prefix: SharedPrefix, row_id: int, cost: float) -> None:
         self.lengths[prefix.prefix_id] = prefix.length
@@ -167,24 +181,24 @@ class _Unit:
         self.load += cost
 
 
-def _units(rows: Sequence[Row], prefixes: Sequence[SharedPrefix], budget: _Budget) -> list[_Unit]:
+def _units(rows: Sequence[Row], prefixes: Sequence[SharedPrefix], budget: _Budget, packed: bool) -> list[_Unit]:
     """Longest prefixes first, packed into units while the prefix forward and the unit's rows fit.
     A subject opens a new unit unless it fits whole in the current one; one too big for any unit
     is split over several (each computes the prefix again)."""
     units: list[_Unit] = []
     for prefix in sorted(prefixes, key=lambda p: (-p.length, p.prefix_id)):
         members = sorted(prefix.rows, key=lambda r: (-len(rows[r].input_ids), r))
-        costs = [budget.share(len(rows[r].input_ids)) for r in members]
-        if not units or not units[-1].takes(prefix, sum(costs), budget):
+        costs = [budget.share(len(rows[r].input_ids) - (prefix.length if packed else 0)) for r in members]
+        if not units or not units[-1].takes(prefix, sum(costs), budget, packed):
             units.append(_Unit({}, {}))
         for row_id, cost in zip(members, costs):
-            if not units[-1].takes(prefix, cost, budget):
+            if not units[-1].takes(prefix, cost, budget, packed):
                 units.append(_Unit({}, {}))
             units[-1].add(prefix, row_id, cost)
     return units
 
 
-def _plan_unit(batches: list[Batch], rows: Sequence[Row], unit: _Unit, budget: _Budget) -> None:
+def _plan_unit(batches: list[Batch], rows: Sequence[Row], unit: _Unit, budget: _Budget, packed: bool) -> None:
     """Append one prefix batch and the suffix batches of its rows (several subjects mixed)."""
     context = max(unit.lengths.values())
     prefix_batch = Batch(len(batches), (), context, sum(unit.lengths.values()), prefixes=tuple(unit.lengths))
@@ -192,7 +206,7 @@ def _plan_unit(batches: list[Batch], rows: Sequence[Row], unit: _Unit, budget: _
     cut_at = {r: unit.lengths[p] for p, members in unit.members.items() for r in members}
     suffix = sorted(cut_at, key=lambda r: (-(len(rows[r].input_ids) - cut_at[r]), r))
     lengths = [len(rows[r].input_ids) - cut_at[r] for r in suffix]
-    for members in _cut(lengths, context, budget):
+    for members in _cut(lengths, context, budget, packed):
         batches.append(Batch(len(batches), tuple(suffix[i] for i in members), lengths[members[0]],
                              sum(lengths[i] for i in members), after=prefix_batch.batch_id, context=context))
 
@@ -278,10 +292,12 @@ CUDA_MEMORY_FRACTION = 0.25  # of the GPU's total memory, for one forward's acti
 CPU_ACTIVATION_BYTES = 192 << 20  # CPU ranks share the host's memory and caches
 SCORES_LENGTH = 1024  # keys per query a materialised score matrix is sized for (a long 5-shot prompt)
 MIN_TOKENS, MAX_TOKENS = 2048, 131072  # past this GPUs gain nothing either
-# Full prompts are padded to their batch's longest row: past this a GPU forward is saturated (98-101
+# Full prompts are padded to their batch's longest row: past this a GPU forward is saturated (95-101
 # TFLOP/s from 16k to 131k tokens on an H200, benchmarks/RESULTS.md "MMLU speed") and bigger batches
-# only pad more (131k ran at 0.89x a 16k budget). Shared-prefix suffixes are short and gain up to MAX_TOKENS.
-FULL_PROMPT_MAX_TOKENS = 16384
+# only pad more (131k ran at 0.86x a 16k budget). 32k was at or above the best fixed batch size in
+# both workloads measured (12 and 24 questions per subject); 16k fell 2% short in the second.
+# Packed shared-prefix forwards are not padded and gain up to MAX_TOKENS.
+FULL_PROMPT_MAX_TOKENS = 32768
 
 
 def default_tokens_per_batch(model: Any, *, shared_prefix: bool) -> int:
@@ -300,15 +316,18 @@ def default_tokens_per_batch(model: Any, *, shared_prefix: bool) -> int:
         memory = torch.cuda.get_device_properties(device).total_memory * CUDA_MEMORY_FRACTION
     else:
         memory = CPU_ACTIVATION_BYTES
-    tokens = int(memory // bytes_per_token(model, scores=scores)) // 1024 * 1024
+    packed = shared_prefix and shares_prefix_keys(model)
+    tokens = int(memory // bytes_per_token(model, scores=scores, expanded_keys=packed)) // 1024 * 1024
     return max(MIN_TOKENS, min(MAX_TOKENS if shared_prefix else FULL_PROMPT_MAX_TOKENS, tokens))
 
 
-def bytes_per_token(model: Any, *, scores: bool = False) -> int:
+def bytes_per_token(model: Any, *, scores: bool = False, expanded_keys: bool = False) -> int:
     """A rough upper bound of the memory one attended token needs in a forward, from the config:
-    its KV cache over every layer, the keys and values one attention layer expands, the
-    activations of a dense or MoE MLP (``top_k x moe_intermediate_size``) and, with ``scores``,
-    one layer's fp32 attention scores over :data:`SCORES_LENGTH` keys."""
+    its KV cache over every layer (with ``expanded_keys``, the keys and values a packed prefix
+    forward keeps, which for MLA are the expanded heads, not the latents), the keys and values one
+    attention layer expands, the activations of a dense or MoE MLP (``top_k x
+    moe_intermediate_size``) and, with ``scores``, one layer's fp32 attention scores over
+    :data:`SCORES_LENGTH` keys."""
     c = getattr(model, "config", None)
     dtype = next((p.dtype for p in model.parameters()), torch.float32)
     width = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
@@ -318,7 +337,8 @@ def bytes_per_token(model: Any, *, scores: bool = False) -> int:
     v_dim = int(getattr(c, "v_head_dim", None) or head_dim)
     kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
     latent = getattr(c, "kv_lora_rank", None)
-    cache = (int(latent) + int(getattr(c, "qk_rope_head_dim", 0))) if latent else kv_heads * (head_dim + v_dim)
+    cache = ((int(latent) + int(getattr(c, "qk_rope_head_dim", 0))) if latent and not expanded_keys
+             else kv_heads * (head_dim + v_dim))
     top_k = int(getattr(c, "num_experts_per_tok", None) or getattr(c, "num_experts_per_token", None) or 1)
     mlp = max(int(getattr(c, "intermediate_size", 4 * hidden)),
               top_k * int(getattr(c, "moe_intermediate_size", None) or 0))

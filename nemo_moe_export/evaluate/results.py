@@ -108,9 +108,10 @@ def timing_summary(started: float, prepared_at: float, forwards_done: float, fin
 
 def scoring_summary(prepared: PreparedQuestions, *, batch_size: int, batches: Sequence[Batch],
                     uniform_shapes: bool, tokens_per_batch: int,
-                    prefixes: Sequence[SharedPrefix]) -> dict[str, Any]:
+                    prefixes: Sequence[SharedPrefix], prefix_attention: str | None = None) -> dict[str, Any]:
     """How the questions were scored and batched (``tokens_per_batch`` as resolved: 0 = fixed
-    batches of ``batch_size`` rows)."""
+    batches of ``batch_size`` rows; ``prefix_attention``: how suffixes attended to their shared
+    prefix, ``"packed"`` or ``"copied"``, None without shared prefixes)."""
     shared_rows = sum(len(p.rows) for p in prefixes)
     return {"k_shot": prepared.k_shot, "max_length": prepared.max_length,
             "single_token_questions": prepared.single_token_questions,
@@ -118,4 +119,5 @@ def scoring_summary(prepared: PreparedQuestions, *, batch_size: int, batches: Se
             "truncated_questions": prepared.truncated_questions, "rows": len(prepared.rows),
             "batch_size": batch_size, "tokens_per_batch": tokens_per_batch, "batches": len(batches),
             "prefix_batches": sum(b.kind == "prefix" for b in batches), "shared_prefixes": len(prefixes),
-            "shared_prefix_rows": shared_rows, "uniform_shapes": bool(uniform_shapes)}
+            "shared_prefix_rows": shared_rows, "prefix_attention": prefix_attention,
+            "uniform_shapes": bool(uniform_shapes)}

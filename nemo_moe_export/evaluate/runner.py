@@ -18,13 +18,22 @@ logits. ``padding_waste`` = padded tokens / all tokens fed (dummy forwards inclu
 
 Shared prefixes (docs/design.md#shared-prefix-evaluation)
 ---------------------------------------------------------
-A prefix batch feeds its prefixes left-padded (position ids count from each prefix's first real
-token, so a linear-attention state starts from zeros untouched by the padding) with
-``use_cache=True`` and keeps the returned cache. A suffix batch copies that cache's rows over its
-own rows (``reorder_cache``: the prefix of each row is copied once, as transformers' cache
-appends the suffix's keys to it), masks the prefix padding, continues the position ids after each
-row's prefix and feeds the row without its prefix. Models whose forward takes no cache argument
-or no ``position_ids`` evaluate full prompts (:func:`cache_support`).
+A suffix batch feeds each row without its prefix, position ids continuing after it. How the rows
+get their prefix depends on the model:
+
+* **packed** (:mod:`.prefix_attention`, softmax-attention models of its table): a prefix forward
+  feeds its prefixes end to end in one row and captures every layer's keys and values; a suffix
+  forward feeds its rows end to end in one row (one prefix's rows adjacent) and attends to those
+  keys without copying them. No padding, no mask, no cache.
+* **copied** (others, e.g. Kimi Linear's linear-attention state): a prefix forward feeds its
+  prefixes left-padded (position ids count from each prefix's first real token, so a
+  linear-attention state starts from zeros untouched by the padding) with ``use_cache=True`` and
+  keeps the cache; a suffix forward copies that cache's rows over its own rows
+  (``reorder_cache``, as transformers' cache appends the suffix's keys to it) and masks the
+  prefix padding.
+
+Models whose forward takes no cache argument or no ``position_ids`` evaluate full prompts
+(:func:`cache_support`).
 """
 
 from __future__ import annotations
@@ -34,10 +43,12 @@ import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
 
+from nemo_moe_export.evaluate import prefix_attention
 from nemo_moe_export.evaluate.planning import Batch
 from nemo_moe_export.evaluate.prefixes import SharedPrefix
 from nemo_moe_export.evaluate.prepare import Row
@@ -65,13 +76,13 @@ class PaddingTally:
 
 @dataclass
 class _PrefixCache:
-    """The cache a prefix batch left, for the suffix batches that continue it."""
+    """What a prefix batch left for the suffix batches that continue it."""
 
     batch_id: int
-    cache: Any
-    mask: torch.Tensor  # [prefixes, length], left-padded
+    cache: Any  # transformers' cache (copied), or the keys a packed prefix forward captured
+    mask: torch.Tensor | None  # [prefixes, length], left-padded (copied only)
     lengths: torch.Tensor  # [prefixes]
-    slot: dict[int, int]  # prefix_id -> row of the cache
+    slot: dict[int, int]  # prefix_id -> row of the cache (copied) or prefix of the packed forward
 
 
 class ForwardRunner:
@@ -82,6 +93,7 @@ class ForwardRunner:
         self.model, self.rows, self.pad_id, self.softmax_dtype = model, rows, pad_id, softmax_dtype
         self.prefixes = {p.prefix_id: p for p in prefixes}
         self.prefix_of_row = {r: p.prefix_id for p in prefixes for r in p.rows}
+        self.packed = bool(prefixes) and prefix_attention.shares_prefix_keys(model)
         self.device = _model_device(model)
         self.tally = PaddingTally()
         params = inspect.signature(model.forward).parameters
@@ -99,23 +111,23 @@ class ForwardRunner:
 
         ``shape`` is the ``(rows, length)`` to pad a rows batch to, or None for its own shape."""
         if batch is not None and batch.kind == "prefix":
-            self._run_prefix(batch)
+            self._prefix = None  # the previous unit's cache is no longer needed: free it first
+            (self._run_packed_prefix if self.packed else self._run_prefix)(batch)
             return
-        rows = [] if batch is None else [self.rows[i] for i in batch.rows]
         prefix = self._prefix if batch is not None and batch.kind == "suffix" else None
         if batch is not None and batch.kind == "suffix" and (prefix is None or prefix.batch_id != batch.after):
             raise RuntimeError(f"suffix batch {batch.batch_id} needs the cache of prefix batch {batch.after}; plan bug")
+        if prefix is not None and self.packed:
+            self._run_packed_suffix(batch, prefix)
+            return
+        rows = [] if batch is None else [self.rows[i] for i in batch.rows]
         cut = [self.prefixes[self.prefix_of_row[r.row_id]].length if prefix else 0 for r in rows]
         ids, mask, positions = self._pad([r.input_ids[c:] for r, c in zip(rows, cut)], rows, shape,
                                          context=prefix.mask.shape[1] if prefix else 0)
         kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
         if prefix is not None:
             kwargs.update(self._continue_from(prefix, rows, mask))
-        logits = self._kept_logits(kwargs, positions)
-        if rows:
-            self._scores.append((tuple(r.row_id for r in rows),
-                                 batch_continuation_logprobs(logits[:len(rows)], [r.continuations for r in rows],
-                                                             dtype=self.softmax_dtype)))
+        self._score(rows, self._kept_logits(kwargs, positions))
 
     def scores(self) -> dict[int, list[float]]:
         """Scores by row id of every row run so far, read from the device at once."""
@@ -124,6 +136,12 @@ class ForwardRunner:
         values = torch.cat([s for _, s in self._scores]).tolist()
         ids = [r for row_ids, _ in self._scores for r in row_ids]
         return {r: v[:len(self.rows[r].choices)] for r, v in zip(ids, values)}
+
+    def _score(self, rows: Sequence[Row], logits: torch.Tensor) -> None:
+        if rows:
+            self._scores.append((tuple(r.row_id for r in rows),
+                                 batch_continuation_logprobs(logits[:len(rows)], [r.continuations for r in rows],
+                                                             dtype=self.softmax_dtype)))
 
     # --- inputs ---------------------------------------------------------------------------------
 
@@ -145,39 +163,82 @@ class ForwardRunner:
                 torch.tensor(mask, dtype=torch.long).to(self.device, non_blocking=True),
                 torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True))
 
+    def _tensor(self, values: Sequence[Any]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    # --- shared prefixes, copied: transformers' cache ----------------------------------------------
+
     def _run_prefix(self, batch: Batch) -> None:
         """The prefixes left-padded, their cache kept for the suffix batches that follow."""
         prefixes = [self.prefixes[p] for p in batch.prefixes]
         length = batch.length
-        ids = [[self.pad_id] * (length - p.length) + list(p.token_ids) for p in prefixes]
-        mask = [[0] * (length - p.length) + [1] * p.length for p in prefixes]
-        ids_t = torch.tensor(ids, dtype=torch.long).to(self.device)
-        mask_t = torch.tensor(mask, dtype=torch.long).to(self.device)
-        kwargs: dict[str, Any] = {"input_ids": ids_t, "attention_mask": mask_t, "use_cache": True,
+        mask_t = self._tensor([[0] * (length - p.length) + [1] * p.length for p in prefixes])
+        kwargs: dict[str, Any] = {"input_ids": self._tensor([[self.pad_id] * (length - p.length) + list(p.token_ids)
+                                                             for p in prefixes]),
+                                  "attention_mask": mask_t, "use_cache": True,
                                   "position_ids": (mask_t.cumsum(1) - 1).clamp(min=0)}
         if self.keeps_positions:
             kwargs["logits_to_keep"] = 1
-        self._prefix = None  # the previous unit's cache is no longer needed: free it first
         out = self.model(**kwargs)
         cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
         if cache is None or not hasattr(cache, "reorder_cache"):
             raise RuntimeError(f"{type(self.model).__name__} returned no reorderable cache from use_cache=True; "
                                "evaluate with shared_prefix=False")
-        lengths = torch.tensor([p.length for p in prefixes], dtype=torch.long).to(self.device)
-        self._prefix = _PrefixCache(batch.batch_id, cache, mask_t, lengths,
+        self._prefix = _PrefixCache(batch.batch_id, cache, mask_t, self._tensor([p.length for p in prefixes]),
                                     {p.prefix_id: i for i, p in enumerate(prefixes)})
         self.tally.add(batch.real_tokens, len(prefixes), length)
         self.tally.prefix_forwards += 1
 
     def _continue_from(self, prefix: _PrefixCache, rows: Sequence[Row], mask: torch.Tensor) -> dict[str, Any]:
         """Cache, mask and position ids that put each row's prefix in front of what it feeds."""
-        slots = [prefix.slot[self.prefix_of_row[r.row_id]] for r in rows]
-        select = torch.tensor(slots, dtype=torch.long).to(self.device)
+        select = self._tensor([prefix.slot[self.prefix_of_row[r.row_id]] for r in rows])
         cache = copy.deepcopy(prefix.cache)  # the unit's later batches need the original
         cache.reorder_cache(select)
         positions = prefix.lengths.index_select(0, select)[:, None] + torch.arange(mask.shape[1], device=self.device)
         return {self.cache_kwarg: cache, "use_cache": True, "position_ids": positions,
                 "attention_mask": torch.cat([prefix.mask.index_select(0, select), mask], dim=1)}
+
+    # --- shared prefixes, packed: keys shared, no padding (prefix_attention) -----------------------
+
+    def _run_packed_prefix(self, batch: Batch) -> None:
+        """The prefixes end to end in one row, their keys captured for the suffix batches that follow."""
+        prefixes = [self.prefixes[p] for p in batch.prefixes]
+        keys = prefix_attention.PrefixKeys(tuple(accumulate((p.length for p in prefixes), initial=0)))
+        kwargs: dict[str, Any] = {"input_ids": self._tensor([[t for p in prefixes for t in p.token_ids]]),
+                                  "position_ids": self._tensor([[i for p in prefixes for i in range(p.length)]])}
+        if self.keeps_positions:
+            kwargs["logits_to_keep"] = 1
+        if self.takes_use_cache:
+            kwargs["use_cache"] = False
+        with prefix_attention.packed(self.model, [p.length for p in prefixes], capture=keys):
+            self.model(**kwargs)
+        self._prefix = _PrefixCache(batch.batch_id, keys, None, self._tensor([p.length for p in prefixes]),
+                                    {p.prefix_id: i for i, p in enumerate(prefixes)})
+        self.tally.add(batch.real_tokens, 1, batch.real_tokens)
+        self.tally.prefix_forwards += 1
+
+    def _run_packed_suffix(self, batch: Batch, prefix: _PrefixCache) -> None:
+        """The batch's rows without their prefixes, end to end in one row; the rows of one prefix
+        adjacent, so each prefix's keys are attended by one call."""
+        rows = sorted((self.rows[i] for i in batch.rows), key=lambda r: prefix.slot[self.prefix_of_row[r.row_id]])
+        prefix_of = [self.prefixes[self.prefix_of_row[r.row_id]] for r in rows]
+        tokens = [r.input_ids[p.length:] for r, p in zip(rows, prefix_of)]
+        lengths = [len(t) for t in tokens]
+        n_keep = max(r.scored_positions for r in rows)
+        starts = list(accumulate(lengths, initial=0))
+        # each row's last n_keep positions in the packed row (clamped to the row; the clamped ones are never read)
+        kept = [[max(stop - n_keep + k, start) for k in range(n_keep)] for start, stop in zip(starts, starts[1:])]
+        kwargs: dict[str, Any] = {
+            "input_ids": self._tensor([[t for row in tokens for t in row]]),
+            "position_ids": self._tensor([[p.length + i for p, n in zip(prefix_of, lengths) for i in range(n)]])}
+        if self.takes_use_cache:
+            kwargs["use_cache"] = False
+        positions = self._tensor([[k for row in kept for k in row]])
+        with prefix_attention.packed(self.model, lengths, prefix=prefix.cache,
+                                     slots=[prefix.slot[p.prefix_id] for p in prefix_of]):
+            logits = self._kept_logits(kwargs, positions)
+        self.tally.add(starts[-1], 1, starts[-1], context=sum(p.length for p in prefix_of))
+        self._score(rows, logits.reshape(len(rows), n_keep, -1))
 
     # --- the forward and its logits --------------------------------------------------------------
 

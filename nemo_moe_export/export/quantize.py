@@ -8,8 +8,9 @@ the slices it writes anyway, its write shares (``plan.write_shares``). In the ex
 
 1. validate, on each rank: :func:`quantized_keys` and :func:`fp8_plan` (pure: which planned keys
    become FP8, and the plan with their dtype changed and their scale tensors added); then the max
-   |w| of every 128 x 128 block this rank's shares touch, over its own elements only. A block that
-   lies wholly inside one share is final; the others cross a shard boundary.
+   |w| of every 128 x 128 block this rank's shares touch, over its own elements only, one reduction
+   per run of equally spaced shares (:func:`_runs`: the experts of a fused tensor), into one flat
+   array. A block that lies wholly inside one share is final; the others cross a shard boundary.
 2. validate, across ranks: one all-gather of the boundary blocks' partial amaxes (block id, amax),
    so every scale equals the one a whole-tensor quantization computes. Each scale is written by
    the one rank whose share holds the block's first element.
@@ -121,64 +122,134 @@ def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_size: int | str)
 
 @dataclass
 class _Blocks:
-    """The blocks one weight share touches: block rows and columns from ``first`` of its key's
-    grid. ``amax`` is over this share's elements (fp32, CPU) until the exchange makes it the
-    block's; ``inside`` marks the blocks wholly inside the share; ``scale`` comes last."""
+    """The blocks one weight share touches: ``grid`` block rows and columns from ``first`` of its
+    key's grid, of which ``inside`` (global block rows, columns) lie wholly inside the share.
+    ``start`` places the share's amaxes, and later its scales, in the rank's flat per-block arrays
+    (row-major over ``grid``), so the host does no tensor op per share until the scales, which
+    come last (fp32, CPU)."""
 
     share: HFShard
     first: tuple[int, int]
-    amax: torch.Tensor
-    inside: torch.Tensor
+    grid: tuple[int, int]
+    inside: tuple[range, range]
+    start: int = 0
     scale: torch.Tensor | None = None
     scale_on_device: torch.Tensor | None = None  # ``scale`` where the share lives, for the quantize step
 
+    @property
+    def size(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def boundary(self) -> int:
+        """How many of its blocks cross the share's edge (partial here, completed by the exchange)."""
+        return self.size - len(self.inside[0]) * len(self.inside[1])
+
+    @property
+    def span(self) -> slice:
+        """Where its amaxes and scales lie in the rank's flat arrays."""
+        return slice(self.start, self.start + self.size)
+
 
 def _blocks_of(share: HFShard) -> _Blocks:
-    """This share's block amaxes, a few block rows at a time (:func:`_row_steps`), in the share's
-    own dtype (|w| and max are exact in any dtype). ``amax`` stays on the share's device:
-    :func:`_amaxes_to_cpu` brings every share's over in one copy (one sync, not one per share)."""
+    """Which blocks ``share`` touches and which of them lie wholly inside it."""
     (r0, c0), (h, w) = share.offsets, tuple(share.tensor.shape)
     (b0, b1), (rows, cols) = FP8_BLOCK, share.global_shape
-    block_rows = range(r0 // b0, (r0 + h - 1) // b0 + 1)
-    block_cols = range(c0 // b1, (c0 + w - 1) // b1 + 1)
-    inside = torch.outer(_wholly_inside(block_rows, b0, r0, h, rows), _wholly_inside(block_cols, b1, c0, w, cols))
-    if r0 % b0 == 0 and c0 % b1 == 0 and h % b0 == 0 and w % b1 == 0:
-        # Whole blocks (routed experts, most dense weights): max |w| = max(max w, -min w), two
-        # reductions over a blocked view, no temporary and two kernel launches per share.
-        blocked = share.tensor.view(h // b0, b0, w // b1, b1)
-        amax = torch.maximum(blocked.amax(dim=(1, 3)), blocked.amin(dim=(1, 3)).neg()).float()
-        return _Blocks(share, (block_rows.start, block_cols.start), amax, inside)
-    lead = c0 - block_cols.start * b1  # where the share starts inside its first block column
-    padded = torch.zeros(len(block_rows), len(block_cols) * b1, dtype=share.tensor.dtype, device=share.tensor.device)
-    for lo, hi, block, n in _row_steps(r0, h, w):
+    first = (r0 // b0, c0 // b1)
+    grid = ((r0 + h - 1) // b0 + 1 - first[0], (c0 + w - 1) // b1 + 1 - first[1])
+    return _Blocks(share, first, grid, (_wholly_inside(b0, r0, h, rows), _wholly_inside(b1, c0, w, cols)))
+
+
+def _wholly_inside(size: int, start: int, length: int, total: int) -> range:
+    """The blocks (of ``size``, the last one cut at ``total``) that lie within ``[start, start + length)``:
+    from the first that starts in it to the last that ends in it (at the tensor's end, the cut one)."""
+    end = start + length
+    lo, hi = -(-start // size), -(-end // size) if end == total else end // size
+    return range(lo, max(lo, hi))
+
+
+def _whole_blocks(share: HFShard) -> bool:
+    """The share starts and ends on block edges (routed experts, most dense weights)."""
+    (r0, c0), (h, w), (b0, b1) = share.offsets, share.tensor.shape, FP8_BLOCK
+    return r0 % b0 == 0 and c0 % b1 == 0 and h % b0 == 0 and w % b1 == 0
+
+
+def _amaxes(blocks: list[_Blocks], runs: list[list[_Blocks]]) -> torch.Tensor:
+    """Every block amax of this rank's shares, flat (fp32, CPU), each share's over its own elements
+    until the exchange: one reduction per run of shares (:func:`_runs` of ``blocks``) and one copy
+    to the host (one sync, not one per share); each ``_Blocks`` gets its ``start``. Refused where
+    any is NaN or inf."""
+    parts, start = [], 0
+    for run in runs:
+        parts.append(_run_amax(run).reshape(-1))
+        for b in run:
+            b.start, start = start, start + b.size
+    flat = torch.cat(parts).cpu() if parts else torch.zeros(0)
+    if not bool(torch.isfinite(flat).all()):
+        for b in blocks:  # the first offending share, in share order, names the key
+            _refuse_non_finite(b.share, flat[b.span].view(b.grid), *b.first)
+    return flat
+
+
+def _runs(blocks: list[_Blocks]) -> list[list[_Blocks]]:
+    """The shares grouped so that one reduction covers each group: whole-block shares of one shape
+    and strides, equally spaced in one storage (the experts of a fused in-memory tensor, one run per
+    projection: a strided view of them all is one tensor); every other share alone. On a GPU each
+    reduction is a few kernel launches: thousands of expert shares become a few runs per layer."""
+    groups: dict[Any, list[_Blocks]] = {}
+    for b in blocks:
+        t = b.share.tensor
+        same = (t.untyped_storage().data_ptr(), t.device, t.dtype, tuple(t.shape), t.stride())
+        groups.setdefault(same if _whole_blocks(b.share) else id(b), []).append(b)
+    return [run for group in groups.values() for run in _equally_spaced(group)]
+
+
+def _equally_spaced(group: list[_Blocks]) -> list[list[_Blocks]]:
+    """``group`` (views of one storage) in storage order, cut where the step between offsets changes."""
+    def offset(b: _Blocks) -> int:
+        return b.share.tensor.storage_offset()
+
+    runs: list[list[_Blocks]] = []
+    for b in sorted(group, key=offset):
+        run = runs[-1] if runs else []
+        same_step = len(run) < 2 or offset(b) - offset(run[-1]) == offset(run[1]) - offset(run[0])
+        if run and same_step:
+            run.append(b)
+        else:
+            runs.append([b])
+    return runs
+
+
+def _run_amax(run: list[_Blocks]) -> torch.Tensor:
+    """The block amaxes of one run (:func:`_runs`), on its device, in the share's own dtype (|w| and
+    max are exact in any dtype), then fp32: ``[shares, block rows, block columns]``."""
+    share = run[0].share
+    if not _whole_blocks(share):
+        return _cut_amax(run[0])
+    t, (b0, b1) = share.tensor, FP8_BLOCK
+    h, w = t.shape
+    step = run[1].share.tensor.storage_offset() - t.storage_offset() if len(run) > 1 else 0
+    values = t.as_strided((len(run), h, w), (step, *t.stride()), t.storage_offset())
+    blocked = values.view(len(run), h // b0, b0, w // b1, b1)
+    # max |w| = max(max w, -min w): two reductions over the blocked view, no |w| temporary.
+    return torch.maximum(blocked.amax(dim=(2, 4)), blocked.amin(dim=(2, 4)).neg()).float()
+
+
+def _cut_amax(blocks: _Blocks) -> torch.Tensor:
+    """The block amaxes of a share that starts or ends inside a block, a few block rows at a time
+    (:func:`_row_steps`), its part of each cut block zero-padded (|w| >= 0: padding never wins)."""
+    share, (rows, cols), (first_row, first_col), b1 = blocks.share, blocks.grid, blocks.first, FP8_BLOCK[1]
+    (r0, c0), w = share.offsets, share.tensor.shape[1]
+    lead = c0 - first_col * b1  # where the share starts inside its first block column
+    padded = torch.zeros(rows, cols * b1, dtype=share.tensor.dtype, device=share.tensor.device)
+    for lo, hi, block, n in _row_steps(r0, share.tensor.shape[0], w):
         part = share.tensor[lo:hi].abs()
-        i = block - block_rows.start
+        i = block - first_row
         padded[i:i + n, lead:lead + w] = part.view(n, -1, w).amax(dim=1)
-    amax = padded.view(len(block_rows), len(block_cols), b1).amax(dim=2).float()
-    return _Blocks(share, (block_rows.start, block_cols.start), amax, inside)
+    return padded.view(rows, cols, b1).amax(dim=2).float()
 
 
 _STEP_VALUES = 1 << 22  # values per step of the amax and quantize loops: <= 16 MiB of fp32 temporaries
-
-
-def _amaxes_to_cpu(blocks: list[_Blocks]) -> list[_Blocks]:
-    """Every share's amaxes to the CPU in one copy, then refused where any is NaN or inf."""
-    if not blocks:
-        return blocks
-    flat = torch.cat([b.amax.reshape(-1) for b in blocks]).cpu()
-    for b, amax in zip(blocks, torch.split(flat, [b.amax.numel() for b in blocks])):
-        b.amax = amax.view(b.amax.shape)
-        _refuse_non_finite(b.share, b.amax, *b.first)
-    return blocks
-
-
-def _scales_to_devices(blocks: list[_Blocks]) -> None:
-    """Each share's scales beside its values, every device's in one copy."""
-    for device in {b.share.tensor.device for b in blocks}:
-        here = [b for b in blocks if b.share.tensor.device == device]
-        flat = torch.cat([b.scale.reshape(-1) for b in here]).to(device)
-        for b, scale in zip(here, torch.split(flat, [b.scale.numel() for b in here])):
-            b.scale_on_device = scale.view(b.scale.shape)
 
 
 def _row_steps(r0: int, h: int, w: int) -> Iterator[tuple[int, int, int, int]]:
@@ -195,11 +266,6 @@ def _row_steps(r0: int, h: int, w: int) -> Iterator[tuple[int, int, int, int]]:
             hi = lo + n * b0
         yield lo, hi, block, n
         lo = hi
-
-
-def _wholly_inside(blocks: range, size: int, start: int, length: int, total: int) -> torch.Tensor:
-    """Which of ``blocks`` (of ``size``, the last one cut at ``total``) lie within ``[start, start + length)``."""
-    return torch.tensor([b * size >= start and min((b + 1) * size, total) <= start + length for b in blocks])
 
 
 def _refuse_non_finite(share: HFShard, amax: torch.Tensor, row0: int, col0: int) -> None:
@@ -230,28 +296,51 @@ def _block_ids(keys: Collection[str], plan: ExportPlan) -> dict[str, tuple[int, 
     return ids
 
 
-def _exchange(blocks: list[_Blocks], ids: dict[str, tuple[int, int]], coordinator: Any, facts: Any) -> list[Any]:
+def _crossing(b: _Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and columns, in the share's grid, of its blocks that cross the share's edge."""
+    outside = torch.ones(b.grid, dtype=torch.bool)
+    (rows, cols), (f0, f1) = b.inside, b.first
+    outside[rows.start - f0:rows.stop - f0, cols.start - f1:cols.stop - f1] = False
+    return outside.nonzero(as_tuple=True)
+
+
+def _exchange(blocks: list[_Blocks], amax: torch.Tensor, ids: dict[str, tuple[int, int]], coordinator: Any,
+              facts: Any) -> list[Any]:
     """Combine the partial amaxes of boundary blocks over the export group: one all-gather of
-    ``(block ids, amaxes)``, after which each of this rank's boundary blocks holds the max over every
-    rank holding part of it. ``facts`` (small per-rank numbers) travel along; returns every rank's."""
-    per_share, mine, values = [], [], []
-    for b in blocks:
-        r, c = (~b.inside).nonzero(as_tuple=True)
+    ``(block ids, amaxes)``, after which each of this rank's boundary blocks holds, in the flat
+    ``amax``, the max over every rank holding part of it. Only shares with such blocks take part
+    (none, for whole-block shares). ``facts`` (small per-rank numbers) travel along; returns every rank's."""
+    local, mine = [], []  # each boundary block's place in ``amax``, and its id
+    for b in (b for b in blocks if b.boundary):
+        r, c = _crossing(b)
         first, cols = ids[b.share.key]
-        per_share.append((r, c))
+        local.append(b.start + r * b.grid[1] + c)
         mine.append(first + (r + b.first[0]) * cols + c + b.first[1])
-        values.append(b.amax[r, c])
+    local_t = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64)
     mine_t = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
-    gathered = coordinator.all_gather((mine_t, torch.cat(values) if values else torch.zeros(0), facts))
+    gathered = coordinator.all_gather((mine_t, amax[local_t], facts))
     if mine_t.numel():
         every_id, every_value = torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
         unique, where = torch.unique(mine_t, return_inverse=True)
         pos = torch.searchsorted(unique, every_id).clamp_(max=unique.numel() - 1)
         hit = unique[pos] == every_id
-        combined = torch.zeros(unique.numel()).scatter_reduce_(0, pos[hit], every_value[hit], "amax")[where]
-        for b, (r, c), part in zip(blocks, per_share, torch.split(combined, [len(r) for r, _ in per_share])):
-            b.amax[r, c] = part
+        amax[local_t] = torch.zeros(unique.numel()).scatter_reduce_(0, pos[hit], every_value[hit], "amax")[where]
     return [g[2] for g in gathered]
+
+
+def _set_scales(blocks: list[_Blocks], amax: torch.Tensor, scale_fmt: str | None) -> None:
+    """Every scale from its (exchanged) amax in one call over the flat array, and each share's
+    scales beside its values: one copy per device (none for shares on the CPU)."""
+    scale = block_scales(amax, scale_fmt)
+    in_flat = sorted(blocks, key=lambda b: b.start)
+    sizes = [b.size for b in in_flat]
+    parts = {scale.device: torch.split(scale, sizes)}  # one call for all views: cheaper than a slice each
+    for device in {b.share.tensor.device for b in blocks} - {scale.device}:
+        parts[device] = torch.split(scale.to(device), sizes)
+    for i, b in enumerate(in_flat):
+        device = b.share.tensor.device
+        b.scale = parts[scale.device][i].view(b.grid)
+        b.scale_on_device = b.scale if device == scale.device else parts[device][i].view(b.grid)
 
 
 def _scale_share(blocks: _Blocks) -> HFShard | None:
@@ -284,18 +373,18 @@ def quantize_export(steps: Any, options: ExportOptions, adapter: StateDictAdapte
         keys = quantized_keys(plan, adapter, options)
         quantized = fp8_plan(plan, keys, options.max_shard_size)
         started = time.perf_counter()
-        blocks = _amaxes_to_cpu([_blocks_of(s) for s in shares if s.key in keys])
-        stats.amax_seconds = round(time.perf_counter() - started, 4)
+        blocks = [_blocks_of(s) for s in shares if s.key in keys]
+        runs = _runs(blocks)
+        amax = _amaxes(blocks, runs)
+        stats.amax_seconds, stats.amax_runs = round(time.perf_counter() - started, 4), len(runs)
         batches = _batches(blocks, options.staging_bytes)
         owned = sum(len(r) * len(c) for r, c in map(_owned_scales, blocks))
     started = time.perf_counter()
-    facts = _exchange(blocks, _block_ids(keys, quantized), steps.coordinator, (len(batches), owned))
+    facts = _exchange(blocks, amax, _block_ids(keys, quantized), steps.coordinator, (len(batches), owned))
     stats.exchange_seconds = round(time.perf_counter() - started, 4)
-    stats.boundary_blocks = sum(int((~b.inside).sum()) for b in blocks)
+    stats.boundary_blocks = sum(b.boundary for b in blocks)
     _check_scale_coverage(quantized, keys, sum(n for _, n in facts))
-    for b in blocks:
-        b.scale = block_scales(b.amax, options.scale_fmt)
-    _scales_to_devices(blocks)
+    _set_scales(blocks, amax, options.scale_fmt)  # from the amaxes the exchange completed in place
     scales = [s for s in map(_scale_share, blocks) if s is not None]
     calls = max(1, *(n for n, _ in facts))  # the local-filesystem writer's write is a collective
     return quantized, [*shares, *scales], Fp8Writer(writer, blocks, batches, calls, stats)
@@ -319,10 +408,12 @@ def _check_scale_coverage(plan: ExportPlan, keys: Collection[str], owned: int) -
 @dataclass
 class Fp8WriteStats(WriteStats):
     """A quantized export's write stats: the storage writer's, summed over its batches, and the
-    FP8 work (``boundary_blocks``: this rank's blocks that cross a shard boundary; ``batches``:
-    this rank's quantized batches)."""
+    FP8 work (``amax_runs``: the reductions this rank's block amaxes took, one per run of shares;
+    ``boundary_blocks``: this rank's blocks that cross a shard boundary; ``batches``: this rank's
+    quantized batches)."""
 
     amax_seconds: float = 0.0
+    amax_runs: int = 0
     exchange_seconds: float = 0.0
     boundary_blocks: int = 0
     quantize_seconds: float = 0.0

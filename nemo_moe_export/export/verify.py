@@ -47,6 +47,7 @@ from nemo_moe_export.safetensors_format import (
     INDEX_FILE,
     SINGLE_FILE,
     SUFFIX,
+    FileCheck,
     TensorEntry,
     check_file,
     read_header,
@@ -81,14 +82,13 @@ class VerifyReport:
         return head + f": {len(self.problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in self.problems)
 
 
-def _read_header(path: str, report: VerifyReport) -> dict | None:
-    """The file's tensor entries by key (malformed ones included, as stored), after checking the
-    file the way the safetensors library does (``check_file``); None, with the problem reported,
-    when the file or its header is unreadable."""
+def _read_header(path: str, report: VerifyReport) -> FileCheck:
+    """The file checked the way the safetensors library does (``check_file``): its header (None,
+    with the problem reported, when the file or its header is unreadable) and well-formed entries."""
     check = check_file(path)
     report.problems += check.problems
     report.tensor_bytes += sum(e.nbytes for e in check.entries.values())
-    return check.header.raw if check.header is not None else None
+    return check
 
 
 def _expert_checks(keys: list[str], config: Mapping | None, report: VerifyReport) -> None:
@@ -178,13 +178,12 @@ def verify_checkpoint(path: str | os.PathLike[str], reference=None, *, tp: Seque
         report.problems.append(f"no {SUFFIX} files")
         return report
     index = _read_index(path, files, report)
-    where = _stored_keys(path, files, report)
+    where, entries = _stored_keys(path, files, report)
     if index is not None:
         _check_index(index, where, files, report)
     _same_export(path, files, report)
     config = _read_config(path, report)
     _expert_checks(sorted(where), config, report)
-    entries = _stored_entries(path, where)
     block = _fp8_checks(path, entries, config, report)
     if tp:
         _serve_checks(entries, block or FP8_BLOCK, config or {}, tp, report)
@@ -234,18 +233,25 @@ def _read_index(path: str, files: list[str], report: VerifyReport) -> dict[str, 
     return None
 
 
-def _stored_keys(path: str, files: list[str], report: VerifyReport) -> dict[str, str]:
-    """``{key: file}`` from every file's header (each header checked on the way); a key stored in
-    two files is a problem."""
+def _stored_keys(path: str, files: list[str], report: VerifyReport
+                 ) -> tuple[dict[str, str], dict[str, TensorEntry]]:
+    """``{key: file}`` from every file's header (each header checked on the way; a key stored in
+    two files is a problem), and the parsed entry of each key there, for the FP8 and serve checks
+    (each header is parsed once: an FP8 checkpoint has twice the tensors, and parsing the headers
+    is most of verify's time)."""
     where: dict[str, str] = {}
+    entries: dict[str, TensorEntry] = {}
     for name in files:
-        for key in _read_header(os.path.join(path, name), report) or {}:
+        check = _read_header(os.path.join(path, name), report)
+        for key in check.header.raw if check.header is not None else {}:
             if key in where:
                 report.problems.append(f"key '{key}' is stored twice: in {where[key]} and {name}")
-            else:
-                where[key] = name
+                continue
+            where[key] = name
+            if key in check.entries:  # a malformed entry was reported by check_file
+                entries[key] = check.entries[key]
     report.tensors = len(where)
-    return where
+    return where, entries
 
 
 def _check_index(index: dict[str, str], where: dict[str, str], files: list[str], report: VerifyReport) -> None:
@@ -328,22 +334,6 @@ _TP_COLUMN = re.compile(r"\.(gate_proj|up_proj|w1|w3|q_proj|k_proj|v_proj|q_b_pr
 _TP_ROW = re.compile(r"\.(down_proj|w2|o_proj)\.weight$")
 _KV = re.compile(r"\.(k_proj|v_proj)\.weight$")
 _MTP_MODULES = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # what only an MTP layer has
-
-
-def _stored_entries(path: str, where: dict[str, str]) -> dict[str, TensorEntry]:
-    """Each stored key's header entry (dtype, shape); unreadable ones were reported already."""
-    out: dict[str, TensorEntry] = {}
-    for name in sorted(set(where.values())):
-        try:
-            header = read_header(os.path.join(path, name))
-        except (ExportInputError, OSError):
-            continue
-        for key in header.keys():
-            try:
-                out[key] = header.entry(key)
-            except ExportInputError:
-                continue
-    return out
 
 
 def _text_config(config: Mapping | None) -> Mapping:

@@ -1,7 +1,9 @@
-"""CPU stand-ins for the CUDA-only calls megatron-core 0.16.1 makes, for rehearsals on gloo CPU ranks.
+"""CPU stand-ins for the CUDA-only calls megatron-core 0.16.1 makes, for rehearsals on gloo CPU ranks,
+and for what it cannot do without Transformer Engine.
 
-Only the tests and the recipe on CPU ranks (``megatron/recipe.py``) apply these; nothing else in
-the package imports this module, and the product code calls megatron-core as it is. Each patch names the call
+Only the tests and the recipe (``megatron/recipe.py``) apply these: on CPU ranks all of them, on
+GPU ranks without Transformer Engine the three :data:`TE_PATCHES`; nothing else in the package
+imports this module, and the product code calls megatron-core as it is. Each patch names the call
 it stands in for and why the substitute computes the same thing on a CPU rank
 (docs/design.md#megatron-core-models). :func:`apply` is idempotent and process-wide: call it in each
 rank before building a model.
@@ -13,34 +15,52 @@ from typing import Any
 
 import torch
 
-__all__ = ["PATCHES", "apply"]
+__all__ = ["CUDA_PATCHES", "PATCHES", "TE_PATCHES", "apply", "apply_without_te", "have_transformer_engine"]
 
-PATCHES = (
+CUDA_PATCHES = (
     "tensor_parallel.random: the CUDA RNG tracker (model_parallel_cuda_manual_seed)",
     "torch.cuda.current_device (router.py weights and expert_bias, rotary embedding inv_freq)",
     "MoEAlltoAllTokenDispatcher: torch.cuda.Stream and the device-to-host split copies",
+    "torch.cuda.synchronize (dist_checkpointing)",
+)
+# megatron-core 0.16.1 without Transformer Engine, on any device: its MoE router raises NameError
+# and MLA takes TE-only paths. GPU ranks without TE need these three as well (apply_without_te).
+TE_PATCHES = (
     "moe_utils.te_general_gemm (undefined without Transformer Engine)",
     "multi_latent_attention.HAVE_TE (true without Transformer Engine)",
     "DotProductAttention(k_channels=, v_channels=) for MLA",
-    "torch.cuda.synchronize (dist_checkpointing)",
 )
+PATCHES = CUDA_PATCHES + TE_PATCHES
 
-_applied = False
+_applied: set[str] = set()
 
 
 def apply() -> tuple[str, ...]:
     """Install every CPU stand-in (once per process); returns :data:`PATCHES`."""
-    global _applied
-    if not _applied:
+    if "cuda" not in _applied:
         _rng_tracker()
         _current_device()
         _alltoall_host_copies()
+        torch.cuda.synchronize = lambda *args, **kwargs: None  # nothing runs asynchronously on a CPU rank
+        _applied.add("cuda")
+    apply_without_te()
+    return PATCHES
+
+
+def apply_without_te() -> tuple[str, ...]:
+    """Install the Transformer-Engine stand-ins only (once per process); returns :data:`TE_PATCHES`."""
+    if "te" not in _applied:
         _router_gemm()
         _mla_without_te()
         _mla_core_attention()
-        torch.cuda.synchronize = lambda *args, **kwargs: None  # nothing runs asynchronously on a CPU rank
-        _applied = True
-    return PATCHES
+        _applied.add("te")
+    return TE_PATCHES
+
+
+def have_transformer_engine() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _rng_tracker() -> None:

@@ -3,12 +3,14 @@
 
 ``recipe/trainer.py`` calls :func:`build_recipe_model` in place of building and sharding a
 transformers model: megatron-core shards while it builds (each EP rank creates only its experts),
-so ``parallel_state`` comes first. On CPU ranks the CUDA stand-ins of ``cpu_patches`` are applied
-here, the one product path that does (docs/design.md#megatron-core-models).
+so ``parallel_state`` comes first. On CPU ranks the stand-ins of ``cpu_patches`` are applied here,
+the one product path that does, and on GPU ranks without Transformer Engine its three TE stand-ins
+(docs/design.md#megatron-core-models).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -18,6 +20,8 @@ from nemo_moe_export.parallel import ParallelLayout, dist_info
 
 __all__ = ["build_recipe_model"]
 
+logger = logging.getLogger(__name__)
+
 FAMILIES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
 
 
@@ -26,10 +30,13 @@ def build_recipe_model(model_cfg: Any, parallel_cfg: Any, *, vocab_size: int, de
     data parallel over the rest; weights from the model seed and their HF names (any EP size
     gives the same model)."""
     _check(model_cfg, parallel_cfg)
-    if device == "cpu":
-        from nemo_moe_export.megatron import cpu_patches
+    from nemo_moe_export.megatron import cpu_patches
 
+    if device == "cpu":
         cpu_patches.apply()
+    elif not cpu_patches.have_transformer_engine():
+        applied = cpu_patches.apply_without_te()
+        logger.warning("megatron-core without Transformer Engine: applying %s", "; ".join(applied))
     from megatron.core import parallel_state
 
     from nemo_moe_export.megatron import MegatronCausalLM
@@ -38,6 +45,10 @@ def build_recipe_model(model_cfg: Any, parallel_cfg: Any, *, vocab_size: int, de
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(expert_model_parallel_size=parallel_cfg.ep_size,
                                                  distributed_timeout_minutes=parallel_cfg.timeout_s / 60)
+    if device != "cpu":  # megatron-core's attention forks the CUDA RNG tracker, which this seeds
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(model_cfg.seed)
     family = FAMILIES[model_cfg.family]
     config = tiny_transformer_config(
         family, n_experts=model_cfg.n_experts, hidden_size=model_cfg.hidden_size,

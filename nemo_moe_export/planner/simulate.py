@@ -15,13 +15,16 @@ For each simulated rank ``r`` of ``W`` (docs/design.md#planner):
    ``plan.write_shares``), ``plan.element_counts``, ``writer.byte_runs``, ``replicas.replica_sets``.
 
 The plan itself (``step.export_plan_of``) and the file owners (``plan.assign_file_owners``) are
-rank-independent and computed once, from the full meta state dict. Ranks are simulated on the
-representative layer of each layer group (``model.py``); a result for a representative key is
-counted for every member layer, whose keys map to files through the plan.
+rank-independent and computed once, from the full meta state dict. The export's rank-local code is
+timed here too (``timing.py`` takes those times), as is rank 0's bookkeeping on a skeleton of the
+checkpoint (``_metadata_seconds``). Ranks are simulated on the representative layer of each layer
+group (``model.py``); a result for a representative key is counted for every member layer, whose
+keys map to files through the plan.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -67,7 +70,12 @@ class RankPlan:
     replica_bytes_checked: int = 0  # bytes its checksums read
     replica_allreduce_bytes: int = 0  # payload of its replica-check all-reduces
     elements: int = 0
+    replica_group_sizes: list[int] = field(default_factory=list)  # ranks in each of its replica groups
     share_seconds: float = 0.0  # rank_write_shares here (the representative layers, scaled to every layer)
+    # element_counts and replica_sets here, the rest of validate's rank-local work (scaled likewise)
+    local_seconds: float = 0.0
+    # (file, offset, bytes) of every byte run it pwrites, when simulate(record_runs=True)
+    byte_runs: list[tuple[str, int, int]] | None = None
 
 
 @dataclass
@@ -85,13 +93,33 @@ class Simulation:
     seconds: float = 0.0
     plan_seconds: float = 0.0  # export_plan_of here: what every rank computes in validate
     stamp_seconds: float = 0.0  # plan.stamped (every header re-encoded with the job's id), in validate
-    index_seconds: float = 0.0  # rank 0: the index JSON (headers step)
-    verify_seconds: float = 0.0  # rank 0: every planned header decoded as verify decodes it
+    replicated_seconds: float = 0.0  # step.replicated_tensors here (rank-independent), in validate
+    state_dict_seconds: float = 0.0  # the model's state_dict() here (validate resolves the inputs with it)
+    # rank 0's bookkeeping, the export's own code on a skeleton of the checkpoint (every planned
+    # file at full size, sparse, with its header): write_metadata_files (the index, config.json,
+    # the generation config; headers step) and verify_checkpoint (verify step)
+    index_seconds: float = 0.0
+    verify_seconds: float = 0.0
     layer_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.ranks)
+
+
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """``fn(*args, **kwargs)`` and its seconds, with Python's cycle collector paused as the export
+    pauses it (``step.export_hf_checkpoint``), so a collection the planner's own objects trigger is
+    not counted as the export's work."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        started = time.perf_counter()
+        out = fn(*args, **kwargs)
+        return out, time.perf_counter() - started
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @contextmanager
@@ -211,16 +239,21 @@ def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
 
 
 def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions, *,
-             device: str = "cpu", progress: Any = None) -> Simulation:
+             device: str = "cpu", progress: Any = None, record_runs: bool = False) -> Simulation:
     """Simulate the export on every rank of ``world``; ``device`` is where the model's shards live
-    (``cuda``: every byte goes through the pinned staging buffers)."""
+    (``cuda``: every byte goes through the pinned staging buffers). ``record_runs`` keeps every
+    rank's byte runs (``RankPlan.byte_runs``: what ``benchmarks/plan_bench.py`` writes to measure
+    the disk the way the export writes)."""
     started = time.perf_counter()
     check_layout(parallel, world, meta)
     plan, expansion, plan_seconds = _plan_and_expansion(meta, options)
     owners = assign_file_owners(plan, list(range(world)))  # SharedFilesystemWriter: every rank writes
     ranks, digests = [], []
     digest = plan.digest()
-    replicated_names = sorted(replicated_tensors(meta.adapter, meta.simulated))  # by key: rank-independent
+    _, state_dict_s = _timed(meta.model.state_dict)
+    replicated, replicated_s = _timed(replicated_tensors, meta.adapter, meta.simulated)
+    replicated_names = sorted(replicated)  # by key: rank-independent
+    replicated_s *= len(meta.state_dict) / max(1, len(meta.simulated))
     total_counts = torch.zeros(len(plan.tensors), dtype=torch.int64)
     tiling = _Tiling(plan, expansion)
     simulated = meta.simulated
@@ -229,7 +262,7 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
             become(rank, world)
             state_dict = _rank_state_dict(simulated, meta, _Layout(parallel, world))
             result, counts = _simulate_rank(rank, world, state_dict, meta, plan, expansion, options, device, tiling,
-                                            replicated_names)
+                                            replicated_names, record_runs)
             digests.append(_digest_of(state_dict, digest, meta))
             total_counts += counts
             ranks.append(result)
@@ -237,33 +270,49 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
                 progress(rank + 1, world)
     _add_file_work(ranks, plan, owners)
     coverage_ok = _covered(plan, total_counts)
-    stamp_s, index_s, verify_s = _metadata_seconds(plan)
+    stamp_s, index_s, verify_s = _metadata_seconds(meta, plan, options)
     return Simulation(world, plan, ranks, digests, coverage_ok, tiling.ok(), owners,
                       coverage_allreduce_bytes=8 * len(plan.tensors),
                       seconds=round(time.perf_counter() - started, 3), plan_seconds=round(plan_seconds, 4),
-                      stamp_seconds=stamp_s, index_seconds=index_s, verify_seconds=verify_s,
+                      stamp_seconds=stamp_s, replicated_seconds=round(replicated_s, 4),
+                      state_dict_seconds=round(state_dict_s, 4), index_seconds=index_s,
+                      verify_seconds=verify_s,
                       layer_groups=dict(meta.members))
 
 
-def _metadata_seconds(plan: ExportPlan) -> tuple[float, float, float]:
+def _metadata_seconds(meta: MetaModel, plan: ExportPlan, options: ExportOptions) -> tuple[float, float, float]:
     """Seconds of the export's own metadata code on this plan: ``plan.stamped`` (validate, every
-    rank), ``plan.index_json`` (headers, rank 0) and ``safetensors_format.decode_header`` of every
-    stamped header (what verify does per file on rank 0, without the reads)."""
-    import io
+    rank), and rank 0's ``target.write_metadata_files`` (headers step) and
+    ``verify.verify_checkpoint`` (verify step) on a skeleton of the checkpoint: every planned file
+    created at full size (sparse) with its header by ``writer.write_headers``, in memory
+    (``/dev/shm`` where there is one, so the fsyncs cost nothing: the model counts file operations
+    apart). Cached per model and options."""
+    key = ("metadata seconds", repr(options))
+    if key not in meta.plans:
+        meta.plans[key] = _time_metadata(meta, plan, options)
+    return meta.plans[key]
 
-    from nemo_moe_export.export.target import new_export_id
-    from nemo_moe_export.safetensors_format import decode_header
 
-    started = time.perf_counter()
-    stamped = plan.stamped(new_export_id())
-    stamp_s = time.perf_counter() - started
-    started = time.perf_counter()
-    stamped.index_json()
-    index_s = time.perf_counter() - started
-    started = time.perf_counter()
-    for f in stamped.files:
-        decode_header(io.BytesIO(f.header), f.size, name=f.name)
-    return round(stamp_s, 4), round(index_s, 4), round(time.perf_counter() - started, 4)
+def _time_metadata(meta: MetaModel, plan: ExportPlan, options: ExportOptions) -> tuple[float, float, float]:
+    import os
+    import tempfile
+
+    from nemo_moe_export.export.target import new_export_id, write_metadata_files
+    from nemo_moe_export.export.verify import verify_checkpoint
+    from nemo_moe_export.export.writer import write_headers
+
+    stamped, stamp_s = _timed(plan.stamped, new_export_id())
+    model = meta.model
+    generation = model.generation_config if getattr(model, "can_generate", lambda: False)() else None
+    memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="nme-plan-", dir=memory) as folder:
+        write_headers(stamped, folder, [f.name for f in stamped.files])
+        _, index_s = _timed(write_metadata_files, folder, stamped, meta.config, options.torch_dtype, generation)
+        report, verify_s = _timed(verify_checkpoint, folder)
+    if not report.ok:  # the skeleton is the plan's checkpoint less its tensor bytes: it must verify
+        raise RuntimeError("the planner's checkpoint skeleton failed verification (a planner defect):\n"
+                           + report.summary())
+    return round(stamp_s, 4), round(index_s, 4), round(verify_s, 4)
 
 
 def _plan_and_expansion(meta: MetaModel, options: ExportOptions) -> tuple[ExportPlan, "_Expansion"]:
@@ -271,9 +320,9 @@ def _plan_and_expansion(meta: MetaModel, options: ExportOptions) -> tuple[Export
     its layer-group expansion, cached per model and options."""
     key = repr(options)
     if key not in meta.plans:
-        started = time.perf_counter()
-        plan = export_plan_of(meta.adapter, meta.state_dict, options, model=meta.model, config=meta.config)
-        meta.plans[key] = (plan, _Expansion(meta, plan), time.perf_counter() - started)
+        plan, seconds = _timed(export_plan_of, meta.adapter, meta.state_dict, options, model=meta.model,
+                               config=meta.config)
+        meta.plans[key] = (plan, _Expansion(meta, plan), seconds)
     return meta.plans[key]
 
 
@@ -301,7 +350,8 @@ class _Expansion:
             first = list(plan.tensors)[int((covered != 1).nonzero()[0])]
             raise ExportInputError("the layer groups do not cover the plan exactly once", key=first,
                                    expected="1", actual=int(covered[self.position[first]]))
-        self.file_of = [plan.tensors[k].file for k in plan.tensors]
+        self.planned_at = list(plan.tensors.values())  # by plan position
+        self.file_of = [t.file for t in self.planned_at]
         self.scale = len(meta.state_dict) / max(1, len(meta.simulated))  # tensors per simulated tensor
         reps = sorted(self.members, key=self.position.__getitem__)
         self.rep_plan = ExportPlan(plan.files, {k: plan.tensors[k] for k in reps})
@@ -314,15 +364,16 @@ class _Expansion:
 
 def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], meta: MetaModel, plan: ExportPlan,
                    expansion: _Expansion, options: ExportOptions, device: str, tiling: "_Tiling",
-                   replicated_names: list[str]) -> tuple[RankPlan, torch.Tensor]:
+                   replicated_names: list[str], record_runs: bool = False) -> tuple[RankPlan, torch.Tensor]:
     """The export's per-rank code on one simulated rank."""
-    out = RankPlan(rank)
-    started = time.perf_counter()
-    shares = rank_write_shares(meta.adapter, state_dict, (rank, world))
-    out.share_seconds = (time.perf_counter() - started) * expansion.scale
+    out = RankPlan(rank, byte_runs=[] if record_runs else None)
+    shares, seconds = _timed(rank_write_shares, meta.adapter, state_dict, (rank, world))
+    out.share_seconds = seconds * expansion.scale
     # element_counts over the representative keys (a sub-plan of the same tensors), then every
     # member layer's key counts as its representative's
-    counts = element_counts(expansion.rep_plan, shares)[expansion.rep_slot]
+    rep_counts, seconds = _timed(element_counts, expansion.rep_plan, shares)
+    out.local_seconds = seconds * expansion.scale
+    counts = rep_counts[expansion.rep_slot]
     files: set[str] = set()
     for share in shares:
         planned = plan.tensors[share.key]
@@ -330,10 +381,14 @@ def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], m
         positions = expansion.members[share.key]
         files.update(expansion.file_of[p] for p in positions)
         tiling.add(share)
-        for _, source in byte_runs(share, planned):
+        for offset, source in byte_runs(share, planned):
             nbytes = source.numel() * planned.element_size
             out.runs += n
             out.bytes += n * nbytes
+            if record_runs:  # the same run in every member layer's key, at that key's place
+                relative = offset - planned.data_start
+                out.byte_runs += [(expansion.file_of[p], expansion.planned_at[p].data_start + relative, nbytes)
+                                  for p in positions]
             # writer._write_piece: a run is written straight from the tensor's memory when it is a
             # CPU tensor in the stored dtype and contiguous; anything else is staged.
             if device == "cuda" or source.dtype != planned.dtype or not source.is_contiguous():
@@ -343,16 +398,19 @@ def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], m
     out.files_written = len(files)
     # writer._Pipeline: at most writer_threads + 1 buffers, allocated on first use
     out.staging_peak_bytes = min(options.writer_threads + 1, out.staged_chunks) * options.staging_bytes
-    _add_replica_work(out, {name: state_dict[name] for name in replicated_names}, meta, world)
+    _add_replica_work(out, {name: state_dict[name] for name in replicated_names}, meta, world, expansion.scale)
     return out, counts
 
 
-def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: MetaModel, world: int) -> None:
+def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: MetaModel, world: int,
+                      scale: float) -> None:
     """What the replica check (replicas.py) compares on this rank (``replicated``: the tensors
     ``step.replicated_tensors`` names), and what it all-reduces."""
     from torch.distributed.tensor import DTensor
 
-    for entry in replica_sets(replicated, _Coordinator(out.rank, world)):
+    sets, seconds = _timed(replica_sets, replicated, _Coordinator(out.rank, world))
+    out.local_seconds += seconds * scale
+    for entry in sets:
         tensors = sum(len(meta.multiplicity(n) or (0,)) for n in entry.names)
         local_bytes = 0
         for name in entry.names:
@@ -361,6 +419,7 @@ def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: 
             local_bytes += len(meta.multiplicity(name) or (0,)) * local.numel() * local.element_size()
         ring = 2 * (len(entry.ranks) - 1) / len(entry.ranks)  # bytes a ring all-reduce sends per byte
         out.replica_groups += 1
+        out.replica_group_sizes.append(len(entry.ranks))
         out.replica_tensors += tensors
         out.replica_bytes_checked += local_bytes
         out.replica_allreduce_bytes += int(ring * (_HEADER_BYTES + _CHECKSUM_BYTES * tensors))

@@ -2,26 +2,58 @@
 
 Assumptions:
 
-* **Writing dominates.** Ranks are placed on nodes in order (``rank // ranks_per_node``); a node
-  writes at ``node_bandwidth`` bytes/s in total whatever the number of its ranks writing at once
-  (the measured bandwidth of ``benchmarks/plan_bench.py --measure-bandwidth``: ``ranks_per_node``
-  writers, each write + fsync, the way the export writes). The write step lasts as long as the
-  busiest node: ``max over nodes of (bytes its ranks write) / node_bandwidth``.
-* **The replica check is memory-bound.** Each rank reads the bytes it checksums at
-  ``checksum_bandwidth`` (host memory on CPU ranks, device memory on GPUs); its all-reduces carry
-  a few bytes per tensor and cost ``collective_latency_s`` per replica group and log2(W) steps.
-* **Agreements cost latency only.** Each of the export's steps ends with one all-reduce of a
-  status word (``parallel.Coordinator``): ``AGREEMENTS`` x ``collective_latency_s`` x log2(W),
-  plus the validate step's coverage all-reduce (8 bytes per tensor) at ``network_bandwidth``.
-* **Validate computes.** Every rank computes the plan and its write shares: the planner times the
-  same code (``step.export_plan_of``, ``step.rank_write_shares``) in its own process; ranks
-  sharing ``cores_per_node`` cores run that much slower (default: a core per rank).
+* **Writing.** Ranks are placed on nodes in order (``rank // ranks_per_node``); a node writes at
+  ``node_bandwidth`` bytes/s in total whatever the number of its ranks writing at once. That
+  bandwidth is the export's own I/O pattern's: ``benchmarks/plan_bench.py`` measures it with the
+  job's ranks each pwriting its planned byte runs (``RankPlan.byte_runs``) into the plan's files,
+  created at full size beforehand as the headers step creates them, from memory of its own (not
+  one cached block), in the writer's 2 MiB slices with early writeback, then fsync. Where ranks
+  outnumber cores the copies into the page cache compete for the cores, which that measurement
+  includes. The write step lasts as long as the busiest node: ``max over nodes of (bytes its ranks
+  write) / node_bandwidth``.
+* **Collectives are gloo rings.** The export coordinates on gloo (``parallel.Coordinator``), whose
+  all-reduce is a ring: ``2 (G - 1)`` hops one after the other on a group of ``G`` ranks (a
+  reduce-scatter, then an all-gather), whatever the payload; an object all-gather
+  (``Coordinator.all_gather``: ``all_gather_object``, an all-gather of the sizes, then one of the
+  pickled bytes) is two rings of ``G - 1`` hops. A hop of each kind costs what
+  ``plan_bench.py`` measures among as many ranks per node as the job runs (ranks that outnumber
+  the cores included): ``collective_latency_s`` for a one-word all-reduce (an agreement),
+  ``vector_hop_s`` for an all-reduce of a vector (the coverage counts, the replica check's
+  checksums; the replica check's 4-word header is counted as one, an upper bound) and
+  ``gather_hop_s`` for an object all-gather, each that collective's median seconds over its hops.
+  On GPUs the replica check's collectives run on NCCL, modelled with the same hops (an upper
+  bound). The collectives the export makes (``export/step.py``, ``export/replicas.py``):
+  ``AGREEMENTS`` agreements (one at the end of each step, and one after the replica check);
+  ``OBJECT_GATHERS`` object all-gathers in validate (the plan digests, the job's id); in
+  validate, the coverage all-reduce (8 bytes per tensor, also sent at ``network_bandwidth``),
+  and per replica group of the rank two vector all-reduces (header, checksums), then one
+  one-word all-reduce over the export group (how many findings).
+* **A coordination group per export.** ``parallel.Coordinator`` opens a gloo group of its own for
+  every export (its collectives honour the export's timeout), before the validate step: every
+  rank connects to each of the others, ``(W - 1) x group_connect_s``, measured by
+  ``plan_bench.py`` as the Coordinator's construction and first agreement, less a warm
+  agreement, over ``W - 1``.
+* **CPU-bound work competes for the cores.** Validate's rank-local work (the model's
+  ``state_dict()``, ``step.export_plan_of``, ``step.replicated_tensors``, ``step.rank_write_shares``,
+  ``plan.element_counts``, ``replicas.replica_sets``, ``plan.stamped``) is the planner's timing of
+  that same code in its own process (with the cycle collector paused, as the export pauses it);
+  every rank of a node runs it at once, so where ``ranks_per_node`` exceeds ``cores_per_node`` it
+  takes ``ranks_per_node / cores_per_node`` times as long (default: a core per rank). The replica
+  check's checksums read their bytes at ``checksum_bandwidth`` per core, shared the same way.
 * **Files and metadata.** Each file operation of the export's bookkeeping (a file created, written
   and fsynced: a header, ``config.json``, the index, the lock; a directory made or renamed and
   its parent fsynced) costs ``file_op_s``, measured by ``benchmarks/plan_bench.py`` the same way
-  (a small file written and fsynced). The headers step lasts as long as the rank owning the most
-  files takes, plus rank 0's ``METADATA_FILE_OPS``; the JSON work (stamping every header with the
-  job's id, the index, verify's decode of every header) is the planner's timing of that same code.
+  (a small file written and fsynced): ``BOOKKEEPING_FILE_OPS`` of rank 0's in prepare, headers,
+  verify and publish, and in headers the files of the rank owning the most. Rank 0's code there
+  (``target.write_metadata_files``, ``verify.verify_checkpoint``) is the planner's timing of that
+  same code on a skeleton of the checkpoint (``simulate.py``); it runs while the other ranks wait,
+  so it is not slowed by crowding.
+* **Waiting ranks notice an agreement late.** ``Coordinator.agree`` polls its all-reduce, sleeping
+  0.1 ms first and twice as long each time up to 20 ms; a rank that has waited ``t`` for its
+  peers notices the end half the pause then in effect later, on average (``poll_lateness``). In
+  those four steps the other ranks wait for rank 0's work and the agreement, so each step lasts
+  that wait plus its lateness. Where the ranks work alike (validate, write) the skew between them
+  is not modelled.
 * **A new target.** The export writes into a directory that does not exist yet, as a job's
   end-of-training export does; ``overwrite="replace"`` also deletes the old checkpoint at publish,
   a cost of the filesystem's (0.12 s for 462 MB on the H200 host) that is not modelled.
@@ -29,27 +61,67 @@ Assumptions:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
-__all__ = ["AGREEMENTS", "METADATA_FILE_OPS", "TimeModel", "predict"]
+__all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "OBJECT_GATHERS", "TimeModel",
+           "all_reduce_hops", "collectives", "gather_hops", "poll_lateness", "predict"]
 
-AGREEMENTS = 9  # validate, validate replicas, digest, prepare, headers, write, verify, publish, result
-# Rank 0's small-file operations besides the headers (export/target.py): the lock, the partial
-# directory, config.json, generation_config.json, the index, the sealing fsync of the directory,
-# the publish rename and its parent's fsync.
-METADATA_FILE_OPS = 8
+# Coordinator.agree calls (export/step.py): the end of validate, of the replica check ("validate
+# replicas"), prepare, headers, write, verify and publish.
+AGREEMENTS = 7
+VALIDATE_AGREEMENTS = 2  # of those, the ones inside the validate step
+# Coordinator.all_gather calls in validate: require_same of the plan digests, the job's export id.
+OBJECT_GATHERS = 2
+# Rank 0's small-file operations besides the headers (export/target.py), by step: the lock and the
+# partial directory; the index, config.json and generation_config.json; the sealing fsync of the
+# directory; the publish rename and its parent's fsync.
+BOOKKEEPING_FILE_OPS = dict(prepare=2, headers=3, verify=1, publish=2)
+METADATA_FILE_OPS = sum(BOOKKEEPING_FILE_OPS.values())
+# How Coordinator.agree waits (parallel.py, _all_reduce_in_time): the first pause, doubled each
+# time up to the last.
+_POLL_FIRST_S, _POLL_MAX_S = 1e-4, 0.02
+# The defaults: what benchmarks/plan_bench.py measured among 8 and 16 ranks of the 16-core H200
+# host, a core each (docs/design.md#planner): one hop of an agreement's ring, of a vector
+# all-reduce's and of an object all-gather's, and a peer's share of opening the Coordinator's
+# group. Across nodes a hop also crosses the network: pass the cluster's own.
+DEFAULT_HOP_S = 7e-5
+DEFAULT_VECTOR_HOP_S = 1.7e-4
+DEFAULT_GATHER_HOP_S = 2.3e-4
+DEFAULT_CONNECT_S = 1e-3
+
+
+def poll_lateness(waited_s: float) -> float:
+    """Expected seconds after an agreement's end at which a rank that has waited ``waited_s`` for
+    it notices: half the pause of ``Coordinator.agree``'s polling in effect at that time."""
+    pause, elapsed = _POLL_FIRST_S, 0.0
+    while elapsed + pause < waited_s:
+        elapsed += pause
+        pause = min(2 * pause, _POLL_MAX_S)
+    return pause / 2
+
+
+def all_reduce_hops(group: int) -> int:
+    """Hops one after the other of a gloo ring all-reduce on ``group`` ranks (reduce-scatter, all-gather)."""
+    return 2 * (group - 1) if group > 1 else 0
+
+
+def gather_hops(group: int) -> int:
+    """Hops of ``Coordinator.all_gather`` (``all_gather_object``: two ring all-gathers) on ``group`` ranks."""
+    return 2 * (group - 1) if group > 1 else 0
 
 
 @dataclass(frozen=True)
 class TimeModel:
     node_bandwidth: float  # bytes/s one node writes, all its ranks together
     ranks_per_node: int
-    checksum_bandwidth: float = 5e9  # bytes/s a rank checksums (CPU host memory; ~1e12 on an H200)
-    collective_latency_s: float = 1e-3  # one small collective step (gloo over TCP)
+    checksum_bandwidth: float = 5e9  # bytes/s a core checksums (CPU host memory; ~1e12 on an H200)
+    collective_latency_s: float = DEFAULT_HOP_S  # one hop of an agreement's ring all-reduce (one word)
     network_bandwidth: float = 1e9  # bytes/s of a rank's link for the coverage all-reduce
     cores_per_node: int | None = None  # None: one core per rank
     file_op_s: float = 2e-3  # a small file written and fsynced (a local disk; network filesystems: more)
+    vector_hop_s: float = DEFAULT_VECTOR_HOP_S  # one hop of a ring all-reduce of a vector
+    gather_hop_s: float = DEFAULT_GATHER_HOP_S  # one hop of an object all-gather
+    group_connect_s: float = DEFAULT_CONNECT_S  # a peer's share of opening the Coordinator's gloo group
 
     def __post_init__(self) -> None:
         from nemo_moe_export.errors import ExportInputError
@@ -58,36 +130,87 @@ class TimeModel:
             if not getattr(self, name) > 0:
                 raise ExportInputError("bandwidth must be positive", key=name, expected="> 0 bytes/s",
                                        actual=getattr(self, name))
-        if not self.file_op_s >= 0:
-            raise ExportInputError("a file operation's time cannot be negative", key="file_op_s",
-                                   expected=">= 0 seconds", actual=self.file_op_s)
+        for name in ("file_op_s", "collective_latency_s", "vector_hop_s", "gather_hop_s", "group_connect_s"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ExportInputError("a time cannot be negative", key=name, expected=">= 0 seconds", actual=value)
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise ExportInputError("ranks per node must be a positive integer", key="ranks_per_node",
                                    expected=">= 1", actual=self.ranks_per_node)
 
+    @property
+    def crowding(self) -> float:
+        """How much slower CPU-bound work runs when every rank of a node runs it at once."""
+        return max(1.0, self.ranks_per_node / (self.cores_per_node or self.ranks_per_node))
+
+
+def collectives(simulation, rank: int) -> list[tuple[str, int]]:
+    """The collectives the export makes on ``rank``, as ``(kind, group size)``: kind is
+    ``agreement`` (a one-word all-reduce, ``Coordinator.agree``), ``word_all_reduce`` (the replica
+    check's count of findings), ``vector_all_reduce`` (the coverage counts; a replica group's
+    header and checksums) or ``object_gather`` (``Coordinator.all_gather``); none when alone."""
+    world = simulation.world_size
+    if world == 1:
+        return []
+    return ([("agreement", world)] * AGREEMENTS + [("object_gather", world)] * OBJECT_GATHERS
+            + [("vector_all_reduce", world)] + _replica_collectives(simulation, rank))
+
+
+def _replica_collectives(simulation, rank: int) -> list[tuple[str, int]]:
+    """The replica check's (``replicas.check_replicas``): per replica group of the rank a header
+    and a checksum all-reduce, then the count of findings over the export group."""
+    world = simulation.world_size
+    if world == 1:
+        return []
+    groups = [g for g in simulation.ranks[rank].replica_group_sizes if g > 1]
+    return [("vector_all_reduce", g) for g in groups for _ in range(2)] + [("word_all_reduce", world)]
+
+
+def _collective_seconds(kind: str, group: int, model: TimeModel) -> float:
+    if kind == "object_gather":
+        return gather_hops(group) * model.gather_hop_s
+    hop = model.vector_hop_s if kind == "vector_all_reduce" else model.collective_latency_s
+    return all_reduce_hops(group) * hop
+
 
 def predict(simulation, model: TimeModel) -> dict:
-    """Predicted seconds of each part of the export of ``simulation`` (a ``simulate.Simulation``)."""
+    """Predicted seconds of each part of the export of ``simulation`` (a ``simulate.Simulation``),
+    and of its validate and write steps."""
     world = simulation.world_size
-    steps = max(1.0, math.log2(world)) if world > 1 else 0.0
+    crowding = model.crowding
+    word_s = _collective_seconds("agreement", world, model)  # one agreement
     nodes: dict[int, int] = {}
     for r in simulation.ranks:
         nodes[r.rank // model.ranks_per_node] = nodes.get(r.rank // model.ranks_per_node, 0) + r.bytes
     write_s = max(nodes.values()) / model.node_bandwidth
-    check_s = max((r.replica_bytes_checked / model.checksum_bandwidth
-                   + r.replica_groups * steps * model.collective_latency_s) for r in simulation.ranks)
-    coverage_s = (2 * simulation.coverage_allreduce_bytes / model.network_bandwidth + steps * model.collective_latency_s
-                  if world > 1 else 0.0)
-    agree_s = AGREEMENTS * steps * model.collective_latency_s
-    crowding = max(1.0, model.ranks_per_node / (model.cores_per_node or model.ranks_per_node))
+    # the replica check: checksums, each replica group's two all-reduces, the findings count
+    check_s = max(crowding * r.replica_bytes_checked / model.checksum_bandwidth
+                  + sum(_collective_seconds(kind, g, model) for kind, g in _replica_collectives(simulation, r.rank))
+                  for r in simulation.ranks)
+    coverage_s = (2 * simulation.coverage_allreduce_bytes / model.network_bandwidth
+                  + _collective_seconds("vector_all_reduce", world, model) if world > 1 else 0.0)
+    gathers_s = OBJECT_GATHERS * _collective_seconds("object_gather", world, model)
+    agree_s = AGREEMENTS * word_s
     # every rank runs the same code: the median simulated rank's time (a max would pick up noise)
-    shares = sorted(r.share_seconds for r in simulation.ranks)
-    validate_s = crowding * (simulation.plan_seconds + simulation.stamp_seconds + shares[len(shares) // 2])
+    local = sorted(r.share_seconds + r.local_seconds for r in simulation.ranks)
+    validate_s = crowding * (simulation.state_dict_seconds + simulation.plan_seconds + simulation.replicated_seconds
+                             + simulation.stamp_seconds + local[len(local) // 2])
+    setup_s = (world - 1) * model.group_connect_s
+    # rank 0's work in the bookkeeping steps, which the other ranks wait for at the agreement
     owned = max(r.files_owned for r in simulation.ranks)
-    files_s = ((owned + METADATA_FILE_OPS) * model.file_op_s
-               + crowding * (simulation.index_seconds + simulation.verify_seconds))
-    total = write_s + check_s + coverage_s + agree_s + validate_s + files_s
-    return dict(seconds=round(total, 4), write_s=round(write_s, 4), replica_check_s=round(check_s, 4),
-                coverage_s=round(coverage_s, 4), agreements_s=round(agree_s, 4), validate_compute_s=round(validate_s, 4),
-                files_and_metadata_s=round(files_s, 4), nodes=len(nodes),
+    solo = {step: ops * model.file_op_s for step, ops in BOOKKEEPING_FILE_OPS.items()}
+    solo["headers"] += owned * model.file_op_s + simulation.index_seconds
+    solo["verify"] += simulation.verify_seconds
+    files_s = sum(solo.values())
+    late_s = sum(poll_lateness(t + word_s) for t in solo.values()) if world > 1 else 0.0
+    total = setup_s + write_s + check_s + coverage_s + gathers_s + agree_s + validate_s + files_s + late_s
+    steps = dict(validate=validate_s + check_s + coverage_s + gathers_s + VALIDATE_AGREEMENTS * word_s,
+                 write=write_s + word_s,
+                 **{step: t + word_s + (poll_lateness(t + word_s) if world > 1 else 0.0) for step, t in solo.items()})
+    return dict(seconds=round(total, 4), coordinator_setup_s=round(setup_s, 4), write_s=round(write_s, 4),
+                replica_check_s=round(check_s, 4), coverage_s=round(coverage_s, 4),
+                object_gathers_s=round(gathers_s, 4), agreements_s=round(agree_s, 4),
+                validate_compute_s=round(validate_s, 4), files_and_metadata_s=round(files_s, 4),
+                agreement_polling_s=round(late_s, 4),
+                steps={k: round(v, 4) for k, v in steps.items()}, crowding=round(crowding, 3), nodes=len(nodes),
                 busiest_node_bytes=max(nodes.values()), assumptions=asdict(model))
