@@ -6,7 +6,8 @@ NCCL) through ``run_recipe`` exactly as the CLI does, and on the trained, still 
 1. checks the recipe's export: every rank compares its shards with the bytes on disk
    (``compare_with_shards``), and rank 0 loads the directory with ``transformers``
    ``from_pretrained`` on its GPU, compares logits with the sharded model's on the same batch, and
-   re-runs the MMLU evaluation on the loaded model;
+   re-runs the MMLU evaluation on the loaded model; then the same for an FP8 export of the trained
+   model loaded by transformers' own FP8 support (``fp8_export_check``);
 2. times MMLU with each evaluation policy (``expert_dp`` and the default ``lockstep``) on the same
    questions and requires identical predictions; compares the recipe's shared-prefix predictions
    with full prompts' on the trained model, question for question, each disagreement with its
@@ -161,6 +162,65 @@ def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predicti
     return out
 
 
+def _check_fp8_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predictions: list[str]) -> dict[str, Any]:
+    """The trained model exported in FP8 (every rank), loaded by transformers' own FP8 support on
+    rank 0 (its FP8 kernels, or where they do not load, its dequantize-on-load path): logits
+    against the sharded bf16 model on one batch, and the MMLU predictions against the trained model's."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from nemo_moe_export.evaluate.data import load_mmlu
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
+    from nemo_moe_export.export import export_hf_checkpoint
+    from nemo_moe_export.parallel import ParallelLayout, RankGroup
+
+    path = os.path.join(ctx.run_dir, "fp8_check")
+    export_hf_checkpoint(path, ctx.model, max_shard_size=cfg.export.max_shard_size, quantize="fp8_block")
+    device = next(ctx.model.parameters()).device
+    ids, mask = _logits_batch(ctx, args.logits_batch)
+    with torch.no_grad():
+        sharded = ctx.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+        load = dict(dtype=torch.bfloat16, device_map={"": device})
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(path, **load)
+            out["path"] = "fp8 kernels" if device.type == "cuda" else "dequantized on load (CPU)"
+        except Exception as exc:  # no `kernels` package, no Hub access
+            out["fp8_kernel_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            loaded = AutoModelForCausalLM.from_pretrained(
+                path, quantization_config=FineGrainedFP8Config(dequantize=True), **load)
+            out["path"] = "dequantized on load"
+        loaded.eval()
+        with torch.no_grad():
+            got = loaded(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        real = mask.to(device).bool()
+        diff = (got - sharded)[real]
+        alone = RankGroup.alone()
+        questions = load_mmlu(ctx.data_root, splits=("dev", "test"))
+        evaluated = evaluate_mmlu(loaded, ctx.tokenizer, [q for q in questions if q.split == "test"],
+                                  [q for q in questions if q.split == "dev"],
+                                  layout=ParallelLayout(dp=alone, ep=alone, edp=alone, source="world"),
+                                  k_shot=cfg.mmlu.k_shot, batch_size=cfg.mmlu.batch_size,
+                                  tokens_per_batch=cfg.mmlu.tokens_per_batch, progress=False)
+        same = sum(a == b for a, b in zip(evaluated.predictions, trained_predictions))
+        out.update(logits_rel_l2=float(diff.norm() / sharded[real].norm()),
+                   argmax_agreement=float((got.argmax(-1) == sharded.argmax(-1))[real].float().mean()),
+                   mmlu_same_predictions=f"{same}/{len(trained_predictions)}",
+                   mmlu_agreement=same / len(trained_predictions),
+                   accuracy={"fp8": evaluated.metrics["overall"]["acc"]})
+        del loaded
+        shutil.rmtree(path)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    dist.barrier()
+    return out
+
+
 def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: list[str],
                repeat: int) -> dict[str, Any]:
     """Each policy on the same held-out questions, after a warm-up, ``repeat`` times (the median is
@@ -247,6 +307,7 @@ def _measure(ctx: Any, cfg: Any, args: argparse.Namespace) -> None:
     trained_predictions = ctx.results["mmlu_predictions"]
     bench: dict[str, Any] = {"environment": _environment()}
     bench["export_check"] = _check_export(ctx, cfg, args, trained_predictions)
+    bench["fp8_export_check"] = _check_fp8_export(ctx, cfg, args, trained_predictions)
     policies = [p for p in args.policies.split(",") if p]
     if dist.get_world_size() == 1:
         policies = [cfg.mmlu.policy]  # one rank: the policies plan the same single stream

@@ -46,6 +46,10 @@ def test_pipeline_bench_on_two_cpu_ranks(tmp_path, strategy):
     else:
         assert check["logits_exactly_equal"], check  # FSDP runs transformers' own modules
 
+    fp8 = measured["fp8_export_check"]  # transformers' FP8 load of the trained model (dequantized on CPU)
+    assert fp8["path"] == "dequantized on load (CPU)" and fp8["logits_rel_l2"] < 0.1, fp8
+    assert fp8["mmlu_agreement"] >= 0.5 and fp8["mmlu_same_predictions"].endswith("/48"), fp8
+
     mmlu = measured["mmlu"]
     assert mmlu["predictions_identical_across_policies"] and mmlu["predictions_identical_to_recipe_stage"]
     assert mmlu["predictions_identical_on_every_rank"]
