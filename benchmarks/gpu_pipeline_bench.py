@@ -105,10 +105,7 @@ def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predicti
     import torch
     import torch.distributed as dist
 
-    from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
     from nemo_moe_export.export import compare_with_shards
-    from nemo_moe_export.parallel import ParallelLayout, RankGroup
 
     path = ctx.results["export"]["path"]
     started = time.perf_counter()
@@ -135,14 +132,7 @@ def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predicti
             reference = loaded(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
         real = mask.to(device).bool()
         diff = (reference - sharded)[real]
-        alone = RankGroup.alone()
-        questions = load_mmlu(ctx.data_root, splits=("dev", "test"))
-        reloaded = evaluate_mmlu(loaded, ctx.tokenizer, [q for q in questions if q.split == "test"],
-                                 [q for q in questions if q.split == "dev"],
-                                 layout=ParallelLayout(dp=alone, ep=alone, edp=alone, source="world"),
-                                 k_shot=cfg.mmlu.k_shot, batch_size=cfg.mmlu.batch_size,
-                                 tokens_per_batch=cfg.mmlu.tokens_per_batch, shared_prefix=cfg.mmlu.shared_prefix,
-                                 progress=False)
+        reloaded = _evaluate_alone(loaded, ctx, cfg)
         same = sum(a == b for a, b in zip(reloaded.predictions, trained_predictions))
         out.update(
             load_seconds=round(load_seconds, 2),
@@ -162,6 +152,22 @@ def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predicti
     return out
 
 
+def _evaluate_alone(model: Any, ctx: Any, cfg: Any) -> Any:
+    """The recipe's MMLU evaluation of a model loaded on this rank alone (rank 0's reloads)."""
+    from nemo_moe_export.evaluate.data import load_mmlu
+    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
+    from nemo_moe_export.parallel import ParallelLayout, RankGroup
+
+    alone = RankGroup.alone()
+    questions = load_mmlu(ctx.data_root, splits=("dev", "test"))
+    return evaluate_mmlu(model, ctx.tokenizer, [q for q in questions if q.split == "test"],
+                         [q for q in questions if q.split == "dev"],
+                         layout=ParallelLayout(dp=alone, ep=alone, edp=alone, source="world"),
+                         k_shot=cfg.mmlu.k_shot, batch_size=cfg.mmlu.batch_size,
+                         tokens_per_batch=cfg.mmlu.tokens_per_batch, shared_prefix=cfg.mmlu.shared_prefix,
+                         progress=False)
+
+
 def _check_fp8_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predictions: list[str]) -> dict[str, Any]:
     """The trained model exported in FP8 (every rank), loaded by transformers' own FP8 support on
     rank 0 (its FP8 kernels, or where they do not load, its dequantize-on-load path): logits
@@ -171,10 +177,7 @@ def _check_fp8_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_pred
     import torch
     import torch.distributed as dist
 
-    from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
     from nemo_moe_export.export import export_hf_checkpoint
-    from nemo_moe_export.parallel import ParallelLayout, RankGroup
 
     path = os.path.join(ctx.run_dir, "fp8_check")
     export_hf_checkpoint(path, ctx.model, max_shard_size=cfg.export.max_shard_size, quantize="fp8_block")
@@ -200,13 +203,7 @@ def _check_fp8_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_pred
             got = loaded(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
         real = mask.to(device).bool()
         diff = (got - sharded)[real]
-        alone = RankGroup.alone()
-        questions = load_mmlu(ctx.data_root, splits=("dev", "test"))
-        evaluated = evaluate_mmlu(loaded, ctx.tokenizer, [q for q in questions if q.split == "test"],
-                                  [q for q in questions if q.split == "dev"],
-                                  layout=ParallelLayout(dp=alone, ep=alone, edp=alone, source="world"),
-                                  k_shot=cfg.mmlu.k_shot, batch_size=cfg.mmlu.batch_size,
-                                  tokens_per_batch=cfg.mmlu.tokens_per_batch, progress=False)
+        evaluated = _evaluate_alone(loaded, ctx, cfg)
         same = sum(a == b for a, b in zip(evaluated.predictions, trained_predictions))
         out.update(logits_rel_l2=float(diff.norm() / sharded[real].norm()),
                    argmax_agreement=float((got.argmax(-1) == sharded.argmax(-1))[real].float().mean()),
