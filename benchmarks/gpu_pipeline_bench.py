@@ -100,7 +100,18 @@ def _logits_batch(ctx: Any, n: int) -> tuple[Any, Any]:
     return ids, mask
 
 
-def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predictions: list[str]) -> dict[str, Any]:
+def _sharded_logits(ctx: Any, args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """``(ids, mask, logits)`` of the trained, sharded model on one batch (every rank): what both
+    reloads are compared with."""
+    import torch
+
+    device = next(ctx.model.parameters()).device
+    ids, mask = _logits_batch(ctx, args.logits_batch)
+    with torch.no_grad():
+        return ids, mask, ctx.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+
+
+def _check_export(ctx: Any, cfg: Any, logits: tuple[Any, Any, Any], trained_predictions: list[str]) -> dict[str, Any]:
     """Bytes equal the shards (every rank), then transformers loads it and the logits match (rank 0)."""
     import torch
     import torch.distributed as dist
@@ -117,9 +128,7 @@ def _check_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predicti
                            "readback_per_rank": per_rank}
 
     device = next(ctx.model.parameters()).device
-    ids, mask = _logits_batch(ctx, args.logits_batch)
-    with torch.no_grad():
-        sharded = ctx.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    ids, mask, sharded = logits
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 
@@ -168,7 +177,8 @@ def _evaluate_alone(model: Any, ctx: Any, cfg: Any) -> Any:
                          progress=False)
 
 
-def _check_fp8_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_predictions: list[str]) -> dict[str, Any]:
+def _check_fp8_export(ctx: Any, cfg: Any, logits: tuple[Any, Any, Any],
+                      trained_predictions: list[str]) -> dict[str, Any]:
     """The trained model exported in FP8 (every rank), loaded by transformers' own FP8 support on
     rank 0 (its FP8 kernels, or where they do not load, its dequantize-on-load path): logits
     against the sharded bf16 model on one batch, and the MMLU predictions against the trained model's."""
@@ -182,9 +192,7 @@ def _check_fp8_export(ctx: Any, cfg: Any, args: argparse.Namespace, trained_pred
     path = os.path.join(ctx.run_dir, "fp8_check")
     export_hf_checkpoint(path, ctx.model, max_shard_size=cfg.export.max_shard_size, quantize="fp8_block")
     device = next(ctx.model.parameters()).device
-    ids, mask = _logits_batch(ctx, args.logits_batch)
-    with torch.no_grad():
-        sharded = ctx.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+    ids, mask, sharded = logits
     out: dict[str, Any] = {}
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM, FineGrainedFP8Config
@@ -303,8 +311,9 @@ def _measure(ctx: Any, cfg: Any, args: argparse.Namespace) -> None:
 
     trained_predictions = ctx.results["mmlu_predictions"]
     bench: dict[str, Any] = {"environment": _environment()}
-    bench["export_check"] = _check_export(ctx, cfg, args, trained_predictions)
-    bench["fp8_export_check"] = _check_fp8_export(ctx, cfg, args, trained_predictions)
+    logits = _sharded_logits(ctx, args)  # one forward of the trained model, compared with both reloads
+    bench["export_check"] = _check_export(ctx, cfg, logits, trained_predictions)
+    bench["fp8_export_check"] = _check_fp8_export(ctx, cfg, logits, trained_predictions)
     policies = [p for p in args.policies.split(",") if p]
     if dist.get_world_size() == 1:
         policies = [cfg.mmlu.policy]  # one rank: the policies plan the same single stream
