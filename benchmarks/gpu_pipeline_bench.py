@@ -198,17 +198,21 @@ def _check_fp8_export(ctx: Any, cfg: Any, logits: tuple[Any, Any, Any],
         from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
         load = dict(dtype=torch.bfloat16, device_map={"": device})
+
+        def load_and_forward(**quantization: Any) -> tuple[Any, Any]:
+            model = AutoModelForCausalLM.from_pretrained(path, **quantization, **load).eval()
+            with torch.no_grad():  # the FP8 kernels load at the first forward, not at from_pretrained
+                return model, model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+
         try:
-            loaded = AutoModelForCausalLM.from_pretrained(path, **load)
+            loaded, got = load_and_forward()
             out["path"] = "fp8 kernels" if device.type == "cuda" else "dequantized on load (CPU)"
         except Exception as exc:  # no `kernels` package, no Hub access
             out["fp8_kernel_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            loaded = AutoModelForCausalLM.from_pretrained(
-                path, quantization_config=FineGrainedFP8Config(dequantize=True), **load)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            loaded, got = load_and_forward(quantization_config=FineGrainedFP8Config(dequantize=True))
             out["path"] = "dequantized on load"
-        loaded.eval()
-        with torch.no_grad():
-            got = loaded(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
         real = mask.to(device).bool()
         diff = (got - sharded)[real]
         evaluated = _evaluate_alone(loaded, ctx, cfg)

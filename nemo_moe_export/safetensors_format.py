@@ -52,6 +52,7 @@ __all__ = [
     "encode_index",
     "read_header",
     "read_weight_map",
+    "replace_header_metadata",
     "torch_dtype",
 ]
 
@@ -211,6 +212,21 @@ def encode_header(entries: Mapping[str, TensorEntry], metadata: Mapping[str, str
     header: dict[str, Any] = {METADATA_KEY: dict(metadata)} if metadata is not None else {}
     header.update((key, entry.to_json()) for key, entry in entries.items())
     raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % HEADER_ALIGNMENT)
+    return len(raw).to_bytes(LENGTH_PREFIX_BYTES, "little") + raw
+
+
+def replace_header_metadata(header: bytes, old: Mapping[str, str], new: Mapping[str, str]) -> bytes:
+    """``header`` (from :func:`encode_header` with metadata ``old``) with metadata ``new``: the
+    bytes :func:`encode_header` gives for the same entries and ``new``, without encoding the
+    entries again (thousands of entries take milliseconds; their offsets are relative to the data
+    region, so a longer header leaves them unchanged)."""
+    raw = header[LENGTH_PREFIX_BYTES:].rstrip(b" ")
+    opening = json.dumps(METADATA_KEY).encode() + b":"
+    before, after = (json.dumps(dict(m), separators=(",", ":")).encode() for m in (old, new))
+    if not raw.startswith(b"{" + opening + before):
+        raise ValueError(f"the header does not start with the metadata {dict(old)}")
+    raw = b"{" + opening + after + raw[1 + len(opening) + len(before):]
     raw += b" " * (-len(raw) % HEADER_ALIGNMENT)
     return len(raw).to_bytes(LENGTH_PREFIX_BYTES, "little") + raw
 

@@ -46,6 +46,28 @@ def test_headers_decode_to_the_planned_offsets(metadata):
             assert entry.dtype == ("F32" if kept else "BF16")
 
 
+def test_a_stamped_plan_is_the_plan_laid_out_with_its_export_id(metadata):
+    """``stamped`` splices the id into each header (it does not encode the entries again): the
+    result must equal the plan laid out with the id from the start, and its headers must decode
+    to the stamped metadata at the shifted offsets."""
+    import io
+
+    job = "20261201T183605-0123456789ab"
+    plan = plan_export(metadata, dtype=torch.bfloat16, max_shard_size="16KB")
+    stamped = plan.stamped(job)
+    assert len(plan.files) > 1 and stamped == plan_export(metadata, dtype=torch.bfloat16, max_shard_size="16KB",
+                                                           export_id=job)
+    assert stamped.stamped("other-job") == plan.stamped("other-job")  # restamping replaces the id
+    for before, after in zip(plan.files, stamped.files):
+        header = decode_header(io.BytesIO(after.header), len(after.header), name=after.name)
+        assert header.metadata == {"format": "pt", "nemo_moe_export.export_id": job}
+        shift = len(after.header) - len(before.header)
+        assert after.size == before.size + shift and shift > 0
+        for key in after.keys:
+            assert stamped.tensors[key].data_start == plan.tensors[key].data_start + shift
+            assert header.data_start + header.entry(key).start == stamped.tensors[key].data_start
+
+
 def test_digest_is_the_layout(metadata):
     a = plan_export(metadata, max_shard_size="16KB")
     assert a.digest() == plan_export(dict(reversed(metadata.items())), max_shard_size="16KB").digest()

@@ -25,7 +25,8 @@ from nemo_moe_export.adapters import HFShard, TensorMeta
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.layout import get_sharded_expert_range
 from nemo_moe_export.export.options import ExportOptions, parse_size
-from nemo_moe_export.safetensors_format import EXPORT_ID_KEY, TensorEntry, dtype_name, encode_header, encode_index
+from nemo_moe_export.safetensors_format import (EXPORT_ID_KEY, TensorEntry, dtype_name, encode_header, encode_index,
+                                                replace_header_metadata)
 
 __all__ = [
     "ExportPlan",
@@ -42,6 +43,11 @@ __all__ = [
 ]
 
 _FILE_METADATA = {"format": "pt"}  # what save_pretrained writes: transformers reads it as torch weights
+
+
+def _file_metadata(export_id: str | None) -> dict[str, str]:
+    """Every file header's metadata: ``_FILE_METADATA``, and the job's id once it has one."""
+    return {**_FILE_METADATA, EXPORT_ID_KEY: export_id} if export_id else dict(_FILE_METADATA)
 
 
 @dataclass(frozen=True)
@@ -89,16 +95,14 @@ class ExportPlan:
         """The same layout with ``export_id`` in every file's header metadata, so a directory whose
         files come from different exports is detected (docs/design.md#export-target-and-concurrent-jobs).
         A longer header moves the file's data: every offset shifts by the same amount."""
-        metadata = {**_FILE_METADATA, EXPORT_ID_KEY: export_id}
+        old, new = _file_metadata(self.export_id), _file_metadata(export_id)
         files, tensors = [], dict(self.tensors)
         for f in self.files:
-            old = len(f.header)
-            entries = {k: TensorEntry(dtype_name(self.tensors[k].dtype), self.tensors[k].shape,
-                                      self.tensors[k].data_start - old, self.tensors[k].data_start - old
-                                      + self.tensors[k].nbytes) for k in f.keys}
-            header = encode_header(entries, metadata)
-            shift = len(header) - old
-            tensors.update({k: replace(self.tensors[k], data_start=self.tensors[k].data_start + shift) for k in f.keys})
+            header = replace_header_metadata(f.header, old, new)
+            shift = len(header) - len(f.header)
+            for k in f.keys:
+                t = tensors[k]
+                tensors[k] = PlannedTensor(t.key, t.shape, t.dtype, t.file, t.data_start + shift, t.nbytes)
             files.append(replace(f, header=header, size=f.size + shift))
         return ExportPlan(tuple(files), tensors, export_id)
 
@@ -112,9 +116,12 @@ class ExportPlan:
         return h.hexdigest()
 
 
+_DIGIT_RUNS = re.compile(r"(\d+)")
+
+
 def natural_key(key: str) -> tuple:
     """Sort ``layers.10`` after ``layers.9`` and ``experts.10`` after ``experts.9``."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key))
+    return tuple(int(p) if p.isdigit() else p for p in _DIGIT_RUNS.split(key))
 
 
 def plan_export(
@@ -125,6 +132,7 @@ def plan_export(
     max_shard_size: int | str = ExportOptions.max_shard_size,
     keep_float32: Collection[str] = (),
     keep_exact: Collection[str] = (),
+    export_id: str | None = None,
 ) -> ExportPlan:
     """Lay out the checkpoint: files of at most ``max_shard_size`` tensor bytes, keys in natural order.
 
@@ -132,7 +140,8 @@ def plan_export(
     matching a regex in ``keep_dtype`` and the keys in ``keep_exact`` (pass-through tensors), which
     keep their own dtype, and the keys in ``keep_float32``, which are stored float32 (what
     transformers keeps in fp32 in a model built in ``dtype``: ``casting.py``). A tensor larger than
-    the shard size gets a file of its own, as transformers does.
+    the shard size gets a file of its own, as transformers does. ``export_id`` lays the plan out
+    already stamped (:meth:`ExportPlan.stamped`).
     """
     limit = parse_size(max_shard_size)
     if dtype is not None and not dtype.is_floating_point:
@@ -145,10 +154,10 @@ def plan_export(
     files, tensors = [], {}
     for i, keys in enumerate(groups):
         planned_file, planned_tensors = _lay_out_file(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors",
-                                                      keys, metas)
+                                                      keys, metas, _file_metadata(export_id))
         files.append(planned_file)
         tensors.update(planned_tensors)
-    return ExportPlan(tuple(files), tensors)
+    return ExportPlan(tuple(files), tensors, export_id)
 
 
 @dataclass(frozen=True)
@@ -191,7 +200,7 @@ def _pack_into_files(metas: Mapping[str, TensorMeta], limit: int) -> list[list[s
     return groups
 
 
-def _lay_out_file(name: str, keys: list[str], metas: Mapping[str, TensorMeta]
+def _lay_out_file(name: str, keys: list[str], metas: Mapping[str, TensorMeta], metadata: Mapping[str, str]
                   ) -> tuple[PlannedFile, dict[str, PlannedTensor]]:
     """One file: the header, then the tensors back to back in key order."""
     entries, offset = {}, 0
@@ -199,7 +208,7 @@ def _lay_out_file(name: str, keys: list[str], metas: Mapping[str, TensorMeta]
         nbytes = _nbytes(metas[key])
         entries[key] = TensorEntry(dtype_name(metas[key].dtype), metas[key].shape, offset, offset + nbytes)
         offset += nbytes
-    header = encode_header(entries, _FILE_METADATA)
+    header = encode_header(entries, metadata)
     tensors = {key: PlannedTensor(key, metas[key].shape, metas[key].dtype, name, len(header) + e.start, e.nbytes)
                for key, e in entries.items()}
     return PlannedFile(name, header, len(header) + offset, tuple(keys)), tensors

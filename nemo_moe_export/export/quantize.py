@@ -100,7 +100,7 @@ def _grid(shape: tuple[int, ...]) -> tuple[int, int]:
 def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_size: int | str) -> ExportPlan:
     """``plan`` with ``keys`` stored as ``float8_e4m3fn`` and a ``{key}_scale_inv`` fp32 tensor of
     shape ``[ceil(out / 128), ceil(in / 128)]`` beside each, laid out again (the scale sorts right
-    after its weight)."""
+    after its weight) and stamped with ``plan``'s export id."""
     metas: dict[str, TensorMeta] = {}
     for key, planned in plan.tensors.items():
         if key not in keys:
@@ -112,7 +112,7 @@ def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_size: int | str)
                                    hint="a checkpoint's own scales cannot be written beside new ones")
         metas[key] = TensorMeta(planned.shape, FP8_DTYPE)
         metas[key + SCALE_SUFFIX] = TensorMeta(_grid(planned.shape), torch.float32)
-    return plan_export(metas, max_shard_size=max_shard_size)
+    return plan_export(metas, max_shard_size=max_shard_size, export_id=plan.export_id)
 
 
 # --------------------------------------------------------------------------------------------------

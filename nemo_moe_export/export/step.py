@@ -248,12 +248,12 @@ def _validate(steps: _Steps, output_dir: Any, options: ExportOptions, refused: E
         check_coverage(plan, coordinator.all_reduce_sum(counts))
         inputs, shares, replicas = _agree_replicas(steps, local, options)
         writer = writer_for(options, coordinator)
-        # FP8: the quantized plan, scales and writer (docs/design.md#fp8-export); else unchanged.
-        plan, shares, writer = quantize_export(steps, options, inputs.adapter, plan, shares, writer)
         # One name for this job on every rank: its own partial directory, and its lock
         # (docs/design.md#export-target-and-concurrent-jobs).
         export_id = coordinator.all_gather(new_export_id())[0]
         target, plan = local.target.for_job(export_id), plan.stamped(export_id)
+        # FP8: the quantized plan (laid out stamped), scales and writer (docs/design.md#fp8-export); else unchanged.
+        plan, shares, writer = quantize_export(steps, options, inputs.adapter, plan, shares, writer)
     return _Job(coordinator, options, target, inputs, plan, shares, writer, writer.file_owners(plan), replicas)
 
 
