@@ -56,7 +56,8 @@ from nemo_moe_export.export.writer import WriteStats, write_headers
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import Coordinator, PeerError
 
-__all__ = ["ExportResult", "ExportStep", "export_hf_checkpoint", "export_plan_of", "rank_write_shares", "replicated_tensors"]
+__all__ = ["ExportResult", "ExportStep", "cyclic_gc_paused", "export_hf_checkpoint", "export_plan_of", "rank_write_shares",
+           "replicated_tensors"]
 
 
 @dataclass
@@ -186,7 +187,7 @@ def export_hf_checkpoint(
     steps = _Steps(Coordinator(group, timeout_s=options.timeout_s, name="export"))
     given = dict(model=model, state_dict=state_dict, config=config, adapter=adapter, tokenizer=tokenizer,
                  generation_config=generation_config, extra=extra)
-    with _cyclic_gc_paused():
+    with cyclic_gc_paused():
         job = _validate(steps, output_dir, options, refused, given)
         try:
             _prepare(steps, job)
@@ -202,7 +203,7 @@ def export_hf_checkpoint(
 
 
 @contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
+def cyclic_gc_paused() -> Iterator[None]:
     """Python's cycle collector off for the export. The export makes hundreds of thousands of
     short-lived objects (plan entries, shares, header dicts), freed by reference counting, inside a
     training process that tracks many more; each full collection they trigger walks all of them

@@ -24,7 +24,6 @@ keys map to files through the plan.
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -39,7 +38,7 @@ from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners, check_coverage, element_counts
 from nemo_moe_export.export.replicas import replica_sets
-from nemo_moe_export.export.step import export_plan_of, rank_write_shares, replicated_tensors
+from nemo_moe_export.export.step import cyclic_gc_paused, export_plan_of, rank_write_shares, replicated_tensors
 from nemo_moe_export.export.writer import byte_runs
 from nemo_moe_export.planner.model import MetaModel
 
@@ -92,7 +91,7 @@ class Simulation:
     coverage_allreduce_bytes: int  # the per-key element counts every rank all-reduces in validate
     seconds: float = 0.0
     plan_seconds: float = 0.0  # export_plan_of here: what every rank computes in validate
-    stamp_seconds: float = 0.0  # plan.stamped (every header re-encoded with the job's id), in validate
+    stamp_seconds: float = 0.0  # plan.stamped (the job's id spliced into every header), in validate
     replicated_seconds: float = 0.0  # step.replicated_tensors here (rank-independent), in validate
     state_dict_seconds: float = 0.0  # the model's state_dict() here (validate resolves the inputs with it)
     # rank 0's bookkeeping, the export's own code on a skeleton of the checkpoint (every planned
@@ -109,17 +108,12 @@ class Simulation:
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     """``fn(*args, **kwargs)`` and its seconds, with Python's cycle collector paused as the export
-    pauses it (``step.export_hf_checkpoint``), so a collection the planner's own objects trigger is
+    pauses it (``step.cyclic_gc_paused``), so a collection the planner's own objects trigger is
     not counted as the export's work."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with cyclic_gc_paused():
         started = time.perf_counter()
         out = fn(*args, **kwargs)
         return out, time.perf_counter() - started
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @contextmanager
