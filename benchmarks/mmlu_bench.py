@@ -16,7 +16,13 @@ prepared rows, one after the other:
   (``tokens_per_batch=N``; ``default`` = derived from the device's memory);
 * ``shared_prefix`` (and ``shared_prefix_tokens_{N}``): each subject's k-shot prefix once, its KV
   cache reused (the default mode), with the agreement of its predictions with full prompts and the
-  largest loglikelihood difference.
+  largest loglikelihood difference;
+* ``policy_lockstep`` / ``policy_expert_dp`` (only with ``--policies``): the evaluator's defaults
+  under each sharding policy, with expert parallelism over ``--ep`` ranks (default: all of them),
+  run back to back (alternating which goes first); ``policies`` reports
+  ``lockstep_speedup_over_expert_dp_x`` = the median over repeats of expert_dp seconds / lockstep
+  seconds (expert_dp gives each EP group's ranks the same batches, lockstep every rank its own) and
+  the two policies' agreement. ``--only-policies`` runs just this comparison.
 
 Each entry has questions/s, prompt tokens/s (the full prompts' tokens), computed tokens/s (what the
 model was fed, without padding) and achieved TFLOP/s = 2 x active parameters x computed tokens / s
@@ -27,6 +33,8 @@ every run. Prints one JSON object.
 
     # CPU ranks (gloo, EP over all ranks; a small DeepSeek-V3):
     python benchmarks/mmlu_bench.py --world-size 2 --repeat 3
+    # lockstep vs expert_dp under EP=4 (the comparison alone):
+    python benchmarks/mmlu_bench.py --world-size 4 --ep 4 --policies lockstep expert_dp --only-policies
     # one GPU, the 4.5 B DeepSeek-V3-style model of conf/model/deepseek_v3_9gb.yaml:
     python benchmarks/mmlu_bench.py --device cuda --model-preset deepseek_v3_9gb --questions-per-subject 24
 """
@@ -229,7 +237,12 @@ def _configurations(args: argparse.Namespace) -> list[list[tuple[str, dict[str, 
     """Groups of (name, evaluate_mmlu overrides) or (name, batch size) for a plain forward. A
     plain forward and the evaluator at the same batch size form one group: they run back to back,
     in alternating order, so their ratio is taken over the same moment's machine (a shared box's
-    load drifts between configurations minutes apart)."""
+    load drifts between configurations minutes apart). ``--policies``: one more group, the
+    evaluator's defaults under each policy."""
+    policies: list[list[tuple[str, dict[str, Any] | int]]] = (
+        [[(f"policy_{p}", {"policy": p}) for p in args.policies]] if args.policies else [])
+    if args.only_policies:
+        return policies
     groups: list[list[tuple[str, dict[str, Any] | int]]] = [
         [(f"plain_forward_b{b}", b), (f"evaluator_b{b}", {"tokens_per_batch": 0, "batch_size": b,
                                                          "shared_prefix": False})]
@@ -238,7 +251,7 @@ def _configurations(args: argparse.Namespace) -> list[list[tuple[str, dict[str, 
     groups.append([("evaluator_tokens_default", {"shared_prefix": False})])
     groups.append([("shared_prefix", {})])
     groups += [[(f"shared_prefix_tokens_{t}", {"tokens_per_batch": t})] for t in args.budgets]
-    return groups
+    return groups + policies
 
 
 def _run_order(groups: list[list[Any]], repeat: int, repeats: int) -> list[Any]:
@@ -264,7 +277,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, data_dir: str, tok_
     tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     loaded = load_mmlu(data_dir)
     test, dev = [q for q in loaded if q.split == "test"], [q for q in loaded if q.split == "dev"]
-    layout = init_expert_parallel(world, timeout_s=600) if world > 1 else discover_layout()
+    layout = init_expert_parallel(args.ep or world, timeout_s=600) if world > 1 else discover_layout()
     model = build_model(args, len(tok), device)
     active = active_parameters(model)
     model = apply_expert_parallel(model, layout)
@@ -338,12 +351,34 @@ def agreement(got: list[list[float]], reference: list[list[float]]) -> dict[str,
                               for i in differ[:50]]}
 
 
+def _policies(result: dict[str, Any], args: argparse.Namespace, entries: dict[str, Any]) -> dict[str, Any]:
+    """``--policies``: each policy's entry and, with both, lockstep's speedup over expert_dp (the
+    median of per-repeat ratios: the two ran back to back) and their predictions' agreement."""
+    world = 1 if args.device == "cuda" else args.world_size
+    ep = (args.ep or world) if world > 1 else 1
+    out: dict[str, Any] = {"ep_size": ep, "expert_dp_size": world // ep, "world_size": world,
+                           **{p: entries[f"policy_{p}"] for p in args.policies}}
+    if {"lockstep", "expert_dp"} <= set(args.policies):
+        pairs = zip(result["runs"]["policy_expert_dp"], result["runs"]["policy_lockstep"])
+        ratios = [edp["seconds"] / lock["seconds"] for edp, lock in pairs]
+        out["lockstep_speedup_over_expert_dp_x"] = statistics.median(ratios)
+        out["lockstep_speedup_over_expert_dp_per_repeat_x"] = [round(r, 4) for r in ratios]
+        out["agreement"] = _agreement(result["scores"], "policy_expert_dp", "policy_lockstep")
+    return out
+
+
 def report(result: dict[str, Any], args: argparse.Namespace, load: tuple[float, float, float]) -> dict[str, Any]:
     import torch
     import transformers
 
     work, active = result["workload"], result["active_parameters"]
     entries = {name: _summary(runs, work, active) for name, runs in result["runs"].items()}
+    if args.only_policies:
+        return {"config": vars(args), "cpu_cores": os.cpu_count(), "loadavg_before": load,
+                "torch": torch.__version__, "transformers": transformers.__version__,
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                "workload": work, "active_parameters": active, "runs": entries,
+                "policies": _policies(result, args, entries)}
     for b in FIXED_BATCHES:  # per repeat, the pair ran back to back: the median of its ratios
         pairs = zip(result["runs"][f"plain_forward_b{b}"], result["runs"][f"evaluator_b{b}"])
         ratios = [plain["seconds"] / evaluator["seconds"] for plain, evaluator in pairs]
@@ -365,6 +400,7 @@ def report(result: dict[str, Any], args: argparse.Namespace, load: tuple[float, 
             "shared_prefix_vs_best_plain": entries["shared_prefix"]["questions_per_s"] / best_plain,
         },
         "shared_prefix_agreement": _agreement(result["scores"], "shared_prefix", "evaluator_tokens_default"),
+        **({"policies": _policies(result, args, entries)} if args.policies else {}),
     }
 
 
@@ -372,6 +408,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--world-size", type=int, default=2, help="CPU ranks (gloo, EP over all of them)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel size on CPU ranks (default: the world size); it must divide "
+                             "the world size and the expert count")
+    parser.add_argument("--policies", nargs="+", choices=("lockstep", "expert_dp"), default=[],
+                        help="also measure the evaluator's defaults under these policies, back to back")
+    parser.add_argument("--only-policies", action="store_true", help="measure only the --policies comparison")
     parser.add_argument("--questions-per-subject", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--budgets", type=int, nargs="*", default=[],
@@ -389,6 +431,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
+    if args.only_policies and not args.policies:
+        parser.error("--only-policies needs --policies")
+    if args.ep is not None and (args.ep < 1 or args.world_size % args.ep
+                                or (args.model_preset is None and args.experts % args.ep)):
+        parser.error(f"--ep {args.ep} must divide --world-size {args.world_size} and --experts {args.experts}")
 
     from nemo_moe_export.spawn import spawn
 

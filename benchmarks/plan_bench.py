@@ -22,9 +22,14 @@ For each world size, on the same model and layout (docs/design.md#planner):
    measured = the median export's slowest rank's ``ExportResult.seconds``, predicted = the
    planner's time with the medians of the bandwidths and file operations, and the latencies.
 
+With ``--pp P`` (``--stages-per-rank``, ``--layers-per-stage``) the job has pipeline stages: each
+rank builds its stages with ``pipeline.stages.split_stages``, shards them inside the stage on
+meshes with "pp" outermost, and exports them with ``pp_group=``.
+
 Prints JSON (and writes it with ``--out``):
 
     python benchmarks/plan_bench.py --worlds 2 4 8 --out /tmp/plan.json
+    python benchmarks/plan_bench.py --worlds 4 8 --pp 2 --strategy ep --ep 2     # pipeline stages x EP
     python benchmarks/plan_bench.py --measure-bandwidth /tmp --mb 1024 --writers 4 --files 3
 """
 
@@ -211,7 +216,9 @@ def _config(args):
 
 
 def _build_model(args, strategy):
-    """The model on meta, sharded as the recipe shards it, materialised with the same values on every replica."""
+    """The model on meta, sharded as the recipe shards it (under pipeline stages: this rank's stage
+    modules, each sharded inside its stage), materialised with the same values on every replica;
+    and the pipeline group (None without stages)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -220,9 +227,35 @@ def _build_model(args, strategy):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_config(args), dtype=torch.bfloat16)
-    model, _ = shard_model(model, ParallelConfig(**strategy))
+    parallel = ParallelConfig(**strategy)
+    if parallel.pp_size > 1:
+        parts, pp_group = _stage_parts(model, parallel)
+    else:
+        (model, _), pp_group = shard_model(model, parallel), None
+        parts = [model]
+    for part in parts:
+        _materialise(part)
+    return (parts if pp_group is not None else parts[0]), pp_group
+
+
+def _stage_parts(model, parallel):
+    """This rank's stages of ``model``, sharded inside the stage as the recipe lays a pipelined job
+    out (``recipe/pipelined.py``: "pp" outermost), and the pipeline group."""
+    import torch.distributed as dist
+
+    from nemo_moe_export.recipe.pipelined import shard_pipelined
+    from nemo_moe_export.recipe.trainer import _shard_other_dtype_modules
+
+    pipelined, _ = shard_pipelined(model, parallel, dist.get_world_size(), shard_other_dtypes=_shard_other_dtype_modules)
+    return list(pipelined.parts), pipelined.pipeline_group
+
+
+def _materialise(model) -> None:
+    """Random values (incompressible, like trained weights), equal on every replica."""
+    import torch
+
     model.to_empty(device="cpu")
-    with torch.no_grad():  # random values (incompressible, like trained weights), equal on every replica
+    with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
             local, offsets = tensor, ()
             if hasattr(tensor, "to_local"):
@@ -232,7 +265,6 @@ def _build_model(args, strategy):
                 offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)[1]
             seed = zlib.crc32(f"{name}{tuple(offsets)}".encode())
             local.copy_(torch.randn(local.shape, generator=torch.Generator().manual_seed(seed)))
-    return model
 
 
 def _clean(rank: int, path: str) -> None:
@@ -251,7 +283,7 @@ def _export_worker(rank, world, args, strategy, target, runs, file_sizes, tensor
 
     from nemo_moe_export.export import export_hf_checkpoint
 
-    model = _build_model(args, strategy)
+    model, pp_group = _build_model(args, strategy)
     dist.barrier()  # a training job's process group is warm: connect the gloo pairs before timing
     latencies = measure_collectives(tensors)
     latencies["group_setup"] = measure_group_setup()
@@ -275,7 +307,8 @@ def _export_worker(rank, world, args, strategy, target, runs, file_sizes, tensor
         dist.barrier()
         # Each export into a new target, as a job's end-of-training export is (the planner predicts
         # that; replacing a checkpoint also deletes the old one, a cost of its own).
-        results.append(export_hf_checkpoint(f"{target}-{i}", model, max_shard_size=args.max_shard_size))
+        results.append(export_hf_checkpoint(f"{target}-{i}", model, max_shard_size=args.max_shard_size,
+                                            pp_group=pp_group))
         _clean(rank, f"{target}-{i}")
     return dict(seconds=[r.seconds for r in results], step_seconds=[r.step_seconds for r in results],
                 io=[r.io for r in results], bytes=results[-1].rank_bytes_written,
@@ -293,6 +326,9 @@ def run_world(args, world: int) -> dict:
     from nemo_moe_export.spawn import spawn
 
     strategy = dict(strategy=args.strategy, replicate=args.replicate, ep_size=args.ep)
+    if args.pp > 1:
+        strategy.update(pp_size=args.pp, stages_per_rank=args.stages_per_rank, layers_per_stage=args.layers_per_stage)
+    load_before = os.getloadavg()  # the machine is shared: how busy it was around this world's runs
     meta = build_meta_model(_config(args), torch.bfloat16)
     sim = simulate(meta, ParallelConfig(**strategy), world, ExportOptions(max_shard_size=args.max_shard_size),
                    device="cpu", record_runs=True)
@@ -324,7 +360,8 @@ def run_world(args, world: int) -> dict:
     steps = {k: max(r["step_seconds"][median][k] for r in per_rank) for k in per_rank[0]["step_seconds"][median]}
     planned_bytes = [r.bytes for r in sim.ranks]
     return dict(
-        world_size=world, layout=strategy, checkpoint_bytes=sim.plan.total_tensor_bytes, files=len(sim.plan.files),
+        world_size=world, layout=strategy, load_average_before=[round(x, 2) for x in load_before],
+        load_average_after=[round(x, 2) for x in os.getloadavg()], checkpoint_bytes=sim.plan.total_tensor_bytes, files=len(sim.plan.files),
         bandwidth_bytes_per_s=bandwidth, bandwidth_runs=[round(b) for b in bandwidths], export_runs_s=repeats,
         file_op_runs_s=per_rank[0]["file_ops"],
         checksum_bytes_per_s=checksum_bw, collective_seconds=latency, collective_hop_s=per_hop, file_op_s=file_op,
@@ -350,6 +387,9 @@ def main() -> None:
     parser.add_argument("--strategy", default="fsdp")
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (the layout inside each stage)")
+    parser.add_argument("--stages-per-rank", type=int, default=1, help="virtual stages per pipeline rank")
+    parser.add_argument("--layers-per-stage", type=int, nargs="+", help="decoder layers of each stage")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--moe-inter", type=int, default=512)
     parser.add_argument("--experts", type=int, default=30)

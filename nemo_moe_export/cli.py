@@ -3,7 +3,8 @@
     nemo-moe-export [recipe=NAME] [hydra overrides...] [--nproc N] [--config-dir DIR]... [--debug]   run a recipe
     nemo-moe-export verify DIR [--reference REF] [--tp 1,2,4,8]      check an HF checkpoint (--tp: servable)
     nemo-moe-export plan (--config CONFIG.json | --model-preset NAME | --recipe NAME [overrides...])
-                    --world W [--layout fsdp|hsdp|ep|ep_fsdp] [--replicate R] [--ep E] [--json] ...
+                    --world W [--layout fsdp|hsdp|ep|ep_fsdp] [--replicate R] [--ep E] [--pp P]
+                    [--stages-per-rank V] [--layers-per-stage 4,4,3,...] [--json] ...
                                                                      what every rank will write, and how long
     nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
                                                                      the same as a NeMo-Run job
@@ -181,6 +182,19 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _layer_counts(text: str) -> list[int]:
+    """``4,4,3``: decoder layers per pipeline stage."""
+    import argparse
+
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected layer counts such as 4,4,3, got {text!r}")
+    return counts
+
+
 def _bandwidth(text: str) -> float:
     """``2GB`` (per second), ``500MiB``, or bytes per second."""
     import argparse
@@ -212,6 +226,11 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--layout", choices=("fsdp", "hsdp", "ep", "ep_fsdp"), help="default: the recipe's, else fsdp")
     parser.add_argument("--replicate", type=_positive_int, help="HSDP replicas (R of R x W/R)")
     parser.add_argument("--ep", type=_positive_int, help="expert-parallel size (EP x expert-DP)")
+    parser.add_argument("--pp", type=_positive_int, help="pipeline-parallel size: W = PP x the ranks of a stage, "
+                        "the layout applying inside each stage (default: the recipe's, else 1)")
+    parser.add_argument("--stages-per-rank", type=_positive_int, help="virtual stages per pipeline rank (loop order)")
+    parser.add_argument("--layers-per-stage", type=_layer_counts, metavar="4,4,3,...",
+                        help="decoder layers of each stage (default: even, earlier stages taking the remainder)")
     parser.add_argument("--dtype", help="export dtype (e.g. bfloat16); default: the recipe's, else the model's")
     parser.add_argument("--max-shard-size", help="per file, e.g. 5GB")
     parser.add_argument("--staging-bytes", type=_positive_int, help="per staging buffer")
@@ -255,6 +274,8 @@ def _plan_report(args: Any) -> dict:
         parallel = replace(parallel, replicate=args.replicate)
     if args.ep:
         parallel = replace(parallel, ep_size=args.ep)
+    pipeline = dict(pp_size=args.pp, stages_per_rank=args.stages_per_rank, layers_per_stage=args.layers_per_stage)
+    parallel = replace(parallel, **{k: v for k, v in pipeline.items() if v is not None})
     overrides = {k: v for k, v in dict(dtype=args.dtype, max_shard_size=args.max_shard_size,
                                        staging_bytes=args.staging_bytes, writer_threads=args.writer_threads).items()
                  if v is not None}

@@ -52,11 +52,23 @@ class ParallelConfig:
     (``replicate``, world / ``replicate``) mesh. ``ep``: experts split over EP groups of
     ``ep_size`` ranks (all-to-all token routing), the rest replicated. ``ep_fsdp``: EP for experts
     plus ``fully_shard`` of the dense part over all ranks.
+
+    ``pp_size`` > 1 adds pipeline stages in front (docs/design.md#pipeline-stages): the world is
+    ``pp_size`` pipeline ranks x the strategy's ranks, each pipeline rank holding
+    ``stages_per_rank`` stages ("loop" order: rank r holds stages r, r + pp_size, ...; more than
+    one is virtual stages), and the strategy applies inside each stage over the ranks of that stage.
+    ``layers_per_stage`` splits the decoder layers unevenly (default: as even as possible);
+    ``microbatches`` is the schedule's count per batch (0: twice the stages, a bubble of
+    ``(stages - 1) / (microbatches + stages - 1)``).
     """
 
     strategy: str = "fsdp"
     ep_size: int = 1
     replicate: int = 1
+    pp_size: int = 1
+    stages_per_rank: int = 1
+    layers_per_stage: Optional[list[int]] = None
+    microbatches: int = 0
     timeout_s: float = 300.0
     # auto: one GPU per rank (NCCL) when every local rank has a GPU, else CPU (gloo) | cuda | cpu
     device: str = "auto"

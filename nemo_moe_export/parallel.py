@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -394,7 +394,9 @@ EXPERT_DP_DIMS = ("edp", "ep_shard", "ep_replicate")
 DENSE_DP_DIMS = ("dp", "dp_replicate", "dp_shard", "dp_shard_cp")
 """Dense data-parallel dims (HSDP splits DP into ``dp_replicate`` x ``dp_shard``)."""
 MODEL_PARALLEL_DIMS = ("tp", "pp", "cp", "etp")
-"""Dims that split one model replica; they are in none of the three groups."""
+"""Dims that split one model replica; they are in none of the three data groups."""
+PP_DIM = "pp"
+"""The pipeline dim: its ranks hold different stages of one replica (``ParallelLayout.pp``)."""
 
 
 @dataclass(frozen=True)
@@ -426,17 +428,21 @@ class RankGroup:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Dense data-parallel, expert-parallel and expert-data-parallel groups of this rank.
+    """Dense data-parallel, expert-parallel, expert-data-parallel and pipeline groups of this rank.
 
     ``source`` says where the groups came from: ``"megatron"``, ``"device_mesh"``, ``"world"`` or
     ``"init_expert_parallel"``. Batches may differ only between ranks of different EP groups, i.e.
-    shard data over ``edp`` (not ``dp``) whenever ``ep.size > 1``.
+    shard data over ``edp`` (not ``dp``) whenever ``ep.size > 1``. ``pp`` is this rank's pipeline
+    group (one rank per pipeline stage position, in stage order; alone without pipeline
+    parallelism): its ranks hold different layers of one model replica, so they run every batch
+    together and the export gathers the key catalogue over it (docs/design.md#pipeline-stages).
     """
 
     dp: RankGroup
     ep: RankGroup
     edp: RankGroup
     source: str
+    pp: RankGroup = field(default_factory=RankGroup.alone)
 
 
 def discover_layout(device_mesh: Any = None, *, use_megatron: bool = True) -> ParallelLayout:
@@ -476,6 +482,7 @@ def _megatron_layout() -> ParallelLayout | None:
         ep=RankGroup.of(parallel_state.get_expert_model_parallel_group()),
         edp=RankGroup.of(parallel_state.get_expert_data_parallel_group()),
         source="megatron",
+        pp=RankGroup.of(parallel_state.get_pipeline_model_parallel_group()),
     )
 
 
@@ -496,6 +503,7 @@ def _mesh_layout(mesh: Any) -> ParallelLayout:
         ep=_mesh_group(mesh, [n for n in names if n == EP_DIM]),
         edp=_mesh_group(mesh, [n for n in data_dims if n != EP_DIM]),
         source="device_mesh",
+        pp=_mesh_group(mesh, [n for n in names if n == PP_DIM]),
     )
 
 

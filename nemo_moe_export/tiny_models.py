@@ -41,6 +41,9 @@ def tiny_config(
             n_shared_experts=1, num_experts_per_tok=min(2, n_experts), first_k_dense_replace=1,
             kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
             n_group=1, topk_group=1, max_position_embeddings=512,
+            # transformers builds no MTP module, so a config declaring one (its default is 1) would
+            # claim a layer no export of this model holds (docs/design.md#pass-through-tensors).
+            num_nextn_predict_layers=0,
         )
         kw.update(overrides)
         return DeepseekV3Config(**kw)

@@ -11,6 +11,7 @@ the two can disagree. ``torch.chunk`` is the reference split.
 from __future__ import annotations
 
 import re
+import zlib
 
 import torch
 
@@ -107,18 +108,22 @@ def global_name(key: str, ep_rank: int, n_local: int) -> str:
 def fill_by_global_name(gpt_model, *, ep_rank: int, n_local: int, seed: int = 0) -> None:
     """Give every tensor of a megatron-core model a value drawn from its global name: norms around 1,
     router biases small, the rest N(0, 0.2) (large enough that answers depend on the question)."""
-    import zlib
-
     with torch.no_grad():
         for key, t in gpt_model.state_dict().items():
             if not isinstance(t, torch.Tensor) or key.endswith("_extra_state"):
                 continue
-            g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(global_name(key, ep_rank, n_local).encode()))
-            noise = torch.randn(t.shape, generator=g)
-            if "norm" in key.rsplit(".", 1)[0].rsplit(".", 1)[-1] or key.endswith("layer_norm_weight"):
-                value = 1.0 + 0.1 * noise
-            elif key.endswith("expert_bias"):
-                value = 0.02 * noise
-            else:
-                value = 0.2 * noise
-            t.copy_(value.to(t.dtype))
+            t.copy_(value_by_name(key, global_name(key, ep_rank, n_local), t, seed))
+
+
+def value_by_name(key: str, name: str, like: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The value ``fill_by_global_name`` gives the tensor ``key`` (global name ``name``): norms around 1,
+    router biases small, the rest N(0, 0.2), drawn from the name."""
+    g = torch.Generator().manual_seed(seed * 7919 + zlib.crc32(name.encode()))
+    noise = torch.randn(like.shape, generator=g)
+    if "norm" in key.rsplit(".", 1)[0].rsplit(".", 1)[-1] or key.endswith("layer_norm_weight"):
+        value = 1.0 + 0.1 * noise
+    elif key.endswith("expert_bias"):
+        value = 0.02 * noise
+    else:
+        value = 0.2 * noise
+    return value.to(like.dtype)

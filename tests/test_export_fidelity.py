@@ -17,6 +17,7 @@ Everything runs in one 4-rank spawn; the parent builds the references with trans
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -161,9 +162,20 @@ def _mtp_export(rank, world, workdir):
                                   max_shard_size="16KB", timeout_s=60)
     # The opt-out, and a framework's own tensor (plain, on every rank) handed beside the model.
     framework = {"mtp.framework_state": torch.arange(40, dtype=torch.float32).reshape(10, 4)}
-    opted_out = export_hf_checkpoint(os.path.join(workdir, "mtp-optout"), model, adapter=adapter,
+    # Opting out while config.json would still declare the MTP layer is refused before any file exists;
+    # with the config saying 0 MTP layers, the checkpoint is consistent and written.
+    try:
+        export_hf_checkpoint(os.path.join(workdir, "mtp-contradiction"), model, adapter=adapter,
+                             passthrough=False, timeout_s=60)
+        contradiction = None
+    except Exception as exc:
+        contradiction = f"{type(exc).__name__}: {exc}"
+    no_mtp = copy.deepcopy(model.config)
+    no_mtp.num_nextn_predict_layers = 0
+    opted_out = export_hf_checkpoint(os.path.join(workdir, "mtp-optout"), model, adapter=adapter, config=no_mtp,
                                      passthrough=False, extra=framework, timeout_s=60)
-    return dict(held=held, keys=report.passthrough_keys, result=result, opted_out=opted_out)
+    return dict(held=held, keys=report.passthrough_keys, result=result, opted_out=opted_out,
+                contradiction=contradiction, contradiction_written=os.path.exists(os.path.join(workdir, "mtp-contradiction")))
 
 
 def _worker(rank, world, workdir):
@@ -354,3 +366,13 @@ def test_passthrough_opt_out_and_framework_extra_tensors(run):
     assert not any(k.startswith(f"model.layers.{MTP_LAYER}.") for k in written)
     assert torch.equal(written["mtp.framework_state"], torch.arange(40, dtype=torch.float32).reshape(10, 4))
     assert per_rank[0]["mtp"]["opted_out"].passthrough_keys == ["mtp.framework_state"]
+    assert json.loads(open(os.path.join(workdir, "mtp-optout", "config.json")).read())["num_nextn_predict_layers"] == 0
+
+
+def test_a_config_declaring_mtp_layers_the_export_lacks_is_refused_before_writing(run):
+    _, per_rank = run
+    for r in per_rank:
+        message = r["mtp"]["contradiction"]
+        assert message is not None and "multi-token-prediction" in message, message
+        assert f"model.layers.{MTP_LAYER}.*" in message and "num_nextn_predict_layers = 0" in message, message
+        assert not r["mtp"]["contradiction_written"]

@@ -398,7 +398,8 @@ def test_verify_checks_fp8_structure_and_serving(tmp_path, capsys):
     from nemo_moe_export.tiny_models import tiny_model
 
     # Expert width 256: 128 per shard at tp=2, 64 at tp=4 (what vLLM refuses); an MTP layer beside.
-    model = tiny_model("deepseek_v3", hidden_size=256, moe_intermediate_size=256, vocab_size=128).to(torch.bfloat16)
+    model = tiny_model("deepseek_v3", hidden_size=256, moe_intermediate_size=256, vocab_size=128,
+                       num_nextn_predict_layers=1).to(torch.bfloat16)
     g = torch.Generator().manual_seed(3)
     mtp = {f"model.layers.2.{m}.weight": torch.randn(*s, generator=g).bfloat16()
            for m, s in (("enorm", (256,)), ("hnorm", (256,)), ("eh_proj", (256, 512)))}

@@ -244,7 +244,7 @@ def _equivalence_worker(rank: int, world: int, data_dir: str, tok_dir: str, out_
     return results
 
 
-class _FailAtForward:
+class FailAtForward:
     """Raises from a forward pre-hook at the ``n``-th forward: a rank failing mid-evaluation."""
 
     def __init__(self, n: int) -> None:
@@ -274,7 +274,7 @@ def _failure_worker(rank: int, world: int, data_dir: str, tok_dir: str) -> dict:
         layout = init_expert_parallel(ep, timeout_s=STALL_TIMEOUT_S)
         model = apply_expert_parallel(build_model(), layout)
         if rank == fail_rank:
-            model.register_forward_pre_hook(_FailAtForward(2))
+            model.register_forward_pre_hook(FailAtForward(2))
         plan, batches = _plan(tok, test, dev, layout, policy, **mode)
         kinds = [None if b is None else batches[b].kind for b in plan.batch_of_step]
         started = time.monotonic()

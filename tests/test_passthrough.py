@@ -21,6 +21,7 @@ from nemo_moe_export.tiny_models import tiny_model
 EXTRA = {
     "model.layers.2.eh_proj.weight": torch.arange(64 * 32, dtype=torch.float32).reshape(32, 64).to(torch.bfloat16),
     "model.layers.2.enorm.weight": torch.linspace(0, 1, 32),
+    "model.layers.2.hnorm.weight": torch.linspace(1, 2, 32),
     "mtp.step": torch.tensor(7, dtype=torch.int64),  # any other extra key, 0-dim included
 }
 
@@ -54,7 +55,7 @@ def test_extra_keys_are_kept_whole_in_one_process_and_written_back(checkpoint, t
 
 def test_opting_out_restores_the_strict_refusal(checkpoint):
     model, adapter = _target()
-    with pytest.raises(ExportInputError, match=r"3 checkpoint keys have no place in the model"):
+    with pytest.raises(ExportInputError, match=r"4 checkpoint keys have no place in the model"):
         adapter.from_hf(model.state_dict(), checkpoint, passthrough=False)
     report = adapter.from_hf(model.state_dict(), checkpoint, passthrough=False, strict=False)
     assert report.passthrough == {} and adapter.passthrough == {}
@@ -89,3 +90,22 @@ def test_extra_tensors_that_cannot_be_written_are_refused_before_any_file(extra,
     with pytest.raises(PeerError, match=pattern):
         export_hf_checkpoint(tmp_path / "out", model, extra=extra)
     assert os.listdir(tmp_path) == []
+
+
+def test_an_export_that_would_drop_the_declared_mtp_layer_is_refused_before_writing(checkpoint, tmp_path):
+    """As users hit it: ``from_hf`` keeps the MTP layer in its adapter, then ``export_hf_checkpoint(out,
+    model)`` without that adapter would write a config declaring an MTP layer and no MTP tensor. It is
+    refused before any file exists, naming the layer and the ways out; an incomplete layer likewise."""
+    model, adapter = _target()
+    adapter.from_hf(model.state_dict(), checkpoint)
+    with pytest.raises(PeerError, match=r"model\.layers\.2\.\*.*no tensor of it.*export with that adapter \(adapter=\)"
+                                        r".*num_nextn_predict_layers = 0"):
+        export_hf_checkpoint(tmp_path / "dropped", model)
+    partial = {k: p for k, p in adapter.passthrough.items() if "hnorm" not in k}
+    with pytest.raises(PeerError, match=r"lacks \['hnorm.weight'\].*incomplete layer"):
+        export_hf_checkpoint(tmp_path / "partial", model, extra=partial)
+    assert not os.listdir(tmp_path)
+    export_hf_checkpoint(tmp_path / "kept", model, adapter=adapter)  # the loading adapter holds it: written
+    written = {k for f in os.listdir(tmp_path / "kept") if f.endswith(".safetensors")
+               for k in load_file(tmp_path / "kept" / f)}
+    assert {"model.layers.2.enorm.weight", "model.layers.2.hnorm.weight", "model.layers.2.eh_proj.weight"} <= written

@@ -184,7 +184,7 @@ class _CollectiveLog:
     each passed on unchanged to torch."""
 
     NAMES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce_scatter_tensor",
-             "all_gather_into_tensor", "all_to_all_single", "broadcast_object_list", "gather_object")
+             "all_gather_into_tensor", "all_to_all_single", "broadcast_object_list", "gather_object", "new_group")
 
     def __enter__(self):
         import torch.distributed as dist
@@ -198,8 +198,12 @@ class _CollectiveLog:
         import torch.distributed as dist
 
         def call(*args, **kwargs):
-            tensor = args[0] if args and torch.is_tensor(args[0]) else None
-            size = dist.get_world_size(kwargs.get("group"))
+            tensor = next((a for a in args[:2] if torch.is_tensor(a)), None)  # all_gather's input is second
+            if name == "new_group":  # a gloo group opened: its size is its ranks' (None: the world)
+                ranks = kwargs.get("ranks", args[0] if args else None)
+                size = len(ranks) if ranks is not None else dist.get_world_size()
+            else:
+                size = dist.get_world_size(kwargs.get("group"))
             self.calls.append((name, None if tensor is None else tensor.numel(), size))
             return fn(*args, **kwargs)
         return call
@@ -228,6 +232,46 @@ def _real_exports(world, workdir):
     return out
 
 
+# Pipeline stages (split_stages, "pp" the outermost mesh dim), each sharded inside the stage as
+# shard_model shards a whole model: on 4 ranks PP2 x FSDP2, PP2 x EP2, PP2 with 2 virtual stages per
+# rank, PP2 x HSDP 2x1 and PP2 x (EP2 + FSDP2 of the dense part) with layers split 1 + 3 (on 8 ranks:
+# benchmarks/plan_bench.py, which compares bytes too; the suite keeps to 4 for time).
+PP_REAL = [("pp_fsdp", dict(strategy="fsdp", pp_size=2), None),
+           ("pp_ep", dict(strategy="ep", ep_size=2, pp_size=2), "bfloat16"),
+           ("pp_virtual", dict(strategy="fsdp", pp_size=2, stages_per_rank=2), None),
+           ("pp_hsdp", dict(strategy="hsdp", replicate=2, pp_size=2), None),
+           ("pp_ep_fsdp_uneven", dict(strategy="ep_fsdp", ep_size=2, pp_size=2, layers_per_stage=[1, 3]), None)]
+
+
+def _stage_parts(parallel, world):
+    """This rank's stage modules, sharded inside the stage as the recipe lays a pipelined job out
+    (``recipe/pipelined.py``: "pp" outermost), and the pipeline group."""
+    from nemo_moe_export.recipe.pipelined import shard_pipelined
+    from nemo_moe_export.recipe.trainer import _shard_other_dtype_modules
+    from nemo_moe_export.tiny_models import tiny_model
+
+    model, _ = shard_pipelined(tiny_model("deepseek_v3", **TINY), parallel, world,
+                               shard_other_dtypes=_shard_other_dtype_modules)
+    return list(model.parts), model.pipeline_group
+
+
+def _real_pipeline_exports(world, workdir):
+    from nemo_moe_export.export import export_hf_checkpoint
+    from nemo_moe_export.export import stages
+
+    out = {}
+    for name, parallel, dtype in PP_REAL:
+        parts, pp_group = _stage_parts(ParallelConfig(**parallel), world)
+        stages._PEER_GROUPS.clear()  # the stage peers' group is opened once per job: each is a job's first export
+        with _CollectiveLog() as log:
+            result = export_hf_checkpoint(os.path.join(workdir, f"{name}-{world}"), parts, pp_group=pp_group,
+                                          dtype=dtype, max_shard_size="40KB")
+        out[name] = dict(bytes=result.rank_bytes_written, owned=result.files_owned, written=result.files_written,
+                         staged=int(result.io["staged_bytes"]), checkpoint=result.checkpoint_bytes, files=result.files,
+                         collectives=log.calls)
+    return out
+
+
 def _real_export_worker(rank, world, workdir):
     """The exports on all 8 ranks, then on a fresh 4-rank world of ranks 0-3 (one start-up for both)."""
     import torch.distributed as dist
@@ -243,12 +287,22 @@ def _real_export_worker(rank, world, workdir):
     return out
 
 
+def _real_pipeline_worker(rank, world, workdir):
+    """The pipeline exports on 4 fresh ranks (on 8 ranks: benchmarks/plan_bench.py --pp 2)."""
+    return {world: _real_pipeline_exports(world, workdir)}
+
+
 @pytest.fixture(scope="module")
 def real_exports(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("real")
-    return spawn(_real_export_worker, 8, str(workdir), timeout_s=300)
+    plain = spawn(_real_export_worker, 8, str(workdir), timeout_s=300)
+    pipelined = spawn(_real_pipeline_worker, 4, str(workdir), timeout_s=400)
+    for rank, per_world in enumerate(pipelined):
+        plain[rank][4].update(per_world[4])
+    return plain
 
 
+@pytest.mark.timeout(900)  # 8 gloo ranks then 4 (4 exports each), and 4 fresh ones (5 pipeline exports)
 @pytest.mark.parametrize("world", [4, 8])
 def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, world):
     """Bytes, files and staging per rank, and the collectives the time model counts (docs/design.md#planner)."""
@@ -261,10 +315,11 @@ def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, worl
     meta = build_meta_model(target.config, target.dtype)
     assert meta.members == {0: (0,), 1: (1, 2, 3)}  # the MoE layers are simulated once, counted three times
     real = [per_rank[world] for per_rank in real_exports[:world]]
-    for name, parallel, dtype in REAL:
+    for name, parallel, dtype in REAL + (PP_REAL if world == 4 else []):
         sim = simulate(meta, ParallelConfig(**parallel), world, ExportOptions(dtype=dtype, max_shard_size="40KB"),
                        device="cpu")
         assert len(sim.plan.files) == real[0][name]["files"] > 4
+        assert sim.coverage_ok and sim.tiling_ok, name
         for rank, planned in enumerate(sim.ranks):
             got = real[rank][name]
             owned = sorted(f for f, owner in sim.file_owner.items() if owner == rank)
@@ -280,7 +335,9 @@ def _collective_kinds(calls):
     (agreements and the findings count), vector all-reduces by group size, object all-gathers."""
     kinds = []
     for name, numel, group in calls:
-        kind = {"all_reduce": "word" if numel == 1 else "vector", "all_gather_object": "object_gather"}.get(name, name)
+        kind = {"all_reduce": "word" if numel == 1 else "vector", "all_gather_object": "object_gather",
+                "all_gather": "word_all_gather" if numel == 1 else "all_gather",
+                "new_group": "group_setup"}.get(name, name)
         kinds.append((kind, group))
     return sorted(kinds)
 

@@ -8,6 +8,7 @@
     are DTensors; ``dtensor_param``: one of its expert weights;
   - ``tokenizer`` (also ``tok``): the word-level tokenizer of the synthetic corpus;
   - ``max_steps``: a short training loop's length;
+  - ``unsplit_model``: a tiny DeepSeek-V3 MoE as built, before any sharding (to split into stages);
   - in the working directory: ``data/mmlu`` (a synthetic MMLU-format corpus) and
     ``path/to/hf_checkpoint`` (the model saved by ``save_pretrained``).
 
@@ -179,7 +180,9 @@ def _prepare_assets(root: Path) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     dtensor_param = model.model.layers[1].mlp.experts.gate_up_proj
     assert isinstance(dtensor_param, torch.distributed.tensor.DTensor)
-    return dict(model=model, tokenizer=tokenizer, tok=tokenizer, max_steps=3, dtensor_param=dtensor_param)
+    unsplit_model = tiny_model("deepseek_v3", n_experts=8, vocab_size=len(tokenizer))
+    return dict(model=model, tokenizer=tokenizer, tok=tokenizer, max_steps=3, dtensor_param=dtensor_param,
+                unsplit_model=unsplit_model)
 
 
 def _run_blocks(rank: int, world: int, sources: list[str], root: str) -> list[str | None]:

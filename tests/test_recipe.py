@@ -105,7 +105,7 @@ def test_an_existing_export_target_is_refused_before_training(tmp_path):
     check_stages(load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", "stages=[verify]"]))
 
 
-def _cli(args, timeout=400):
+def run_cli(args, timeout=400):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "nemo_moe_export", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
@@ -116,7 +116,7 @@ def _cli(args, timeout=400):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run") / "r"
-    proc = _cli(["recipe=deepseek_v3_tiny", f"run_dir={run_dir}", *QUICK, "--nproc", "4"])
+    proc = run_cli(["recipe=deepseek_v3_tiny", f"run_dir={run_dir}", *QUICK, "--nproc", "4"])
     return run_dir, proc
 
 
@@ -136,7 +136,7 @@ def test_cli_under_torchrun_runs_every_stage(trained_run):
 def test_single_stage_from_a_saved_checkpoint(trained_run, tmp_path):
     run_dir, _ = trained_run
     second = tmp_path / "export-only"
-    _cli(["recipe=deepseek_v3_tiny", f"run_dir={second}", "stages=[export,verify]",
+    run_cli(["recipe=deepseek_v3_tiny", f"run_dir={second}", "stages=[export,verify]",
           f"export.from_checkpoint={run_dir / 'checkpoint'}", "mmlu.enabled=false", "--nproc", "4"])
     results = json.loads((second / "results.json").read_text())
     assert "train" not in results and results["verify"]["ok"]
@@ -156,7 +156,7 @@ def test_single_stage_from_a_saved_checkpoint(trained_run, tmp_path):
 def test_nemo_run_launcher_runs_the_recipe_locally(tmp_path):
     pytest.importorskip("nemo_run")
     run_dir = tmp_path / "nr"
-    proc = _cli(["launch", "recipe=qwen3_moe_tiny", f"run_dir={run_dir}", *QUICK, "stages=[train,export]",
+    proc = run_cli(["launch", "recipe=qwen3_moe_tiny", f"run_dir={run_dir}", *QUICK, "stages=[train,export]",
                  "--nproc", "2", "--job-dir", str(tmp_path / "jobs")], timeout=500)
     results = json.loads((run_dir / "results.json").read_text())
     assert results["train"]["steps"] == 20 and os.path.exists(results["export"]["path"])
@@ -171,7 +171,8 @@ def test_nemo_run_launcher_validates_before_launching(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [("export.overwrite=repalce", "unknown overwrite policy"),
-                                               ("parallel.ep_size=3", "ep_size")])
+                                               ("parallel.ep_size=3", "ep_size"),
+                                               ("parallel.pp_size=3", "pipeline size must divide the ranks")])
 def test_nemo_run_launcher_checks_the_recipe_for_its_world_before_launching(tmp_path, override, message):
     """The recipe checks (options, EP size against the ranks) run before NeMo-Run starts anything:
     no job directory is made."""

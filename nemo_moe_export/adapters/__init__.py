@@ -23,6 +23,8 @@ from nemo_moe_export.adapters.engine import (
     ModelTable,
     StateDictAdapter,
     expert_rules,
+    model_parts,
+    state_dict_of,
 )
 from nemo_moe_export.adapters.sources import SafetensorsSource, TensorDictSource, TensorMeta
 from nemo_moe_export.adapters.tables import TABLES as _TRANSFORMERS_TABLES
@@ -43,6 +45,8 @@ __all__ = [
     "expert_rules",
     "get_adapter",
     "get_table",
+    "model_parts",
+    "state_dict_of",
     "supported_model_types",
 ]
 

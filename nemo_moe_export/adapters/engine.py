@@ -38,7 +38,7 @@ from nemo_moe_export.errors import ExportInputError, current_rank
 from nemo_moe_export.layout import LocalBox, local_box
 
 __all__ = ["HFShard", "InMemoryLayout", "KeyRule", "LoadReport", "LocalExperts", "ModelTable", "StateDictAdapter",
-           "expert_rules"]
+           "expert_rules", "model_parts", "state_dict_of"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,6 +219,33 @@ class LoadReport:
 # --------------------------------------------------------------------------------------------------
 # The engine
 # --------------------------------------------------------------------------------------------------
+
+
+def model_parts(model: Any) -> list[Any]:
+    """A rank's model as a list of modules: its pipeline stage modules ("model parts", several with
+    virtual stages, each keeping the original names) or the one model (``[]`` for None). A wrapper
+    that runs stages (``nemo_moe_export.pipeline``) is one model: its ``state_dict()`` is its parts'."""
+    if model is None:
+        return []
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def state_dict_of(model: Any) -> Mapping[str, torch.Tensor]:
+    """The state dict of a model, of a list of stage modules (their union, every key once), or a
+    state dict as it is: what ``to_hf`` / ``from_hf`` and the export read."""
+    if isinstance(model, Mapping):
+        return model
+    merged: dict[str, torch.Tensor] = {}
+    for i, part in enumerate(model_parts(model)):
+        for key, tensor in part.state_dict().items():
+            if key in merged:
+                raise ExportInputError(
+                    "two stage modules of this rank hold the same key", key=key,
+                    expected="each key in one stage module", actual=f"also in stage module {i}",
+                    hint="each stage keeps only its own layers (embeddings on the first, norm and lm_head "
+                         "on the last)")
+            merged[key] = tensor
+    return merged
 
 
 def world_replica() -> tuple[int, int]:
@@ -508,7 +535,7 @@ class StateDictAdapter:
                 continue
             yield from self._pieces_of(key, rule, m, box, merge)
 
-    def to_hf(self, state_dict: Mapping[str, torch.Tensor], *,
+    def to_hf(self, state_dict: Mapping[str, torch.Tensor] | Any, *,
               plain_replica: tuple[int, int] | None = None) -> dict[str, HFShard]:
         """The HF tensors (or parts of them) this rank holds, keyed by HF name, as views.
 
@@ -517,7 +544,9 @@ class StateDictAdapter:
         whose per-group views of one HF tensor are joined into one copy. Ranks holding no part of a
         tensor (empty trailing FSDP shards) return no entry for it. Plain (non-DTensor) tensors are held by every rank of a group;
         ``plain_replica`` is this rank's ``(index, count)`` in it (default: the world's).
+        ``state_dict`` may also be a model or this rank's list of pipeline stage modules.
         """
+        state_dict = state_dict_of(state_dict)
         self._validate(state_dict)
         out: dict[str, HFShard] = {}
         for piece in self._pieces(state_dict, plain_replica, merge=True):
@@ -536,6 +565,7 @@ class StateDictAdapter:
         allow_dtype_cast: bool = False,
         passthrough: bool = True,
         group: Any = None,
+        pp_group: Any = None,
     ) -> LoadReport:
         """Fill ``state_dict`` (the model's own, possibly sharded, tensors) in place from HF weights.
 
@@ -552,12 +582,18 @@ class StateDictAdapter:
         slices are returned in ``LoadReport.passthrough`` and kept in ``self.passthrough``, where the
         export finds them (docs/design.md#pass-through-tensors). Extra experts of the model's own
         MoE layers are never passed through: they mean the config is wrong.
+
+        ``state_dict`` may be a model or this rank's pipeline stage modules; with ``pp_group`` (the
+        pipeline group, a collective over it) a checkpoint key that another stage holds is neither
+        unexpected nor passed through (docs/design.md#pipeline-stages).
         """
+        state_dict = state_dict_of(state_dict)
         expected = self.hf_metadata(state_dict)
+        other_stages = _other_stages_keys(expected, pp_group)
         src = TensorDictSource(source) if isinstance(source, Mapping) else open_source(source)
         try:
             kept = self._check_source(expected, src, strict=strict, allow_dtype_cast=allow_dtype_cast,
-                                      passthrough=passthrough)
+                                      passthrough=passthrough, elsewhere=other_stages)
             report = _copy_boxes(list(self._pieces(state_dict)), src)
             if kept:
                 before = src.bytes_read
@@ -569,10 +605,11 @@ class StateDictAdapter:
             src.close()
 
     def _check_source(self, expected: dict[str, TensorMeta], src: Any, *, strict: bool,
-                      allow_dtype_cast: bool, passthrough: bool = False) -> list[str]:
+                      allow_dtype_cast: bool, passthrough: bool = False,
+                      elsewhere: frozenset[str] = frozenset()) -> list[str]:
         """Refuse, before anything is copied, a checkpoint whose keys, shapes or dtypes do not fit;
-        return the extra keys to pass through."""
-        have = src.keys()
+        return the extra keys to pass through. ``elsewhere``: keys other pipeline stages load."""
+        have = src.keys() - elsewhere
         missing = sorted(set(expected) - have)
         if missing:
             raise ExportInputError(
@@ -592,6 +629,17 @@ class StateDictAdapter:
         for key, meta in expected.items():
             _check_stored_tensor(key, meta, src, allow_dtype_cast=allow_dtype_cast)
         return kept
+
+
+def _other_stages_keys(expected: Mapping[str, TensorMeta], pp_group: Any) -> frozenset[str]:
+    """The HF keys the other ranks of the pipeline group load (one object all-gather over it)."""
+    if pp_group is None:
+        return frozenset()
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(every, sorted(expected), group=pp_group)
+    return frozenset(k for keys in every for k in keys) - set(expected)
 
 
 def _check_stored_tensor(key: str, meta: TensorMeta, src: Any, *, allow_dtype_cast: bool) -> None:

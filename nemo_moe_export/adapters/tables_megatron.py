@@ -16,6 +16,14 @@ Routed experts come in three layouts, all with the model's own global ids (``loc
   itself views as [L, H, 2F] and [L, F, H] (``experts.py``), so HF ``gate = weight1.view(L, H, -1)[e,
   :, :F].T``.
 
+A DeepSeek-V3 multi-token-prediction (MTP) layer (``mtp.layers.{L}``, numbered by the view with the
+global layer number megatron gives its decoder block, ``num_layers`` for the first) is stored as
+HF's ``model.layers.{L}``: ``enorm``, ``hnorm``, ``eh_proj`` (megatron concatenates the normed
+embedding first, then the normed hidden state, as DeepSeek's reference does), ``final_layernorm``
+as ``shared_head.norm``, the output layer it projects through as ``shared_head.head``, and its
+``transformer_layer`` under the same names as a decoder layer's (Megatron-Bridge's
+``deepseek/common.py`` maps the same keys, less ``shared_head.head``; vLLM loads it).
+
 Every key must match a rule (``require_rule``): megatron never uses transformers' names, so a key
 passed through unchanged would be a silently wrong checkpoint.
 """
@@ -33,42 +41,55 @@ NAMING = "megatron_core"
 """The ``InMemoryLayout.naming`` of megatron-core state dicts; tables are ``"megatron_core:{model_type}"``."""
 
 _LAYER = r"(?P<prefix>decoder\.layers\.(?P<layer>\d+))"
+_MTP = r"mtp\.layers\.(?P<layer>\d+)"
+_MTP_BLOCK = rf"(?P<prefix>{_MTP}\.transformer_layer)"  # an MTP layer's decoder block: a layer's names
 _HF_LAYER = "model.layers.{layer}"
 
 
-def _renames(pairs: dict[str, str]) -> tuple[KeyRule, ...]:
+def _renames(pairs: dict[str, str], layer: str = _LAYER) -> tuple[KeyRule, ...]:
     """One-to-one renames of per-layer tensors: megatron suffix -> HF suffix."""
-    return tuple(KeyRule(rf"{_LAYER}\.{re.escape(src)}", (f"{_HF_LAYER}.{dst}",)) for src, dst in pairs.items())
+    return tuple(KeyRule(rf"{layer}\.{re.escape(src)}", (f"{_HF_LAYER}.{dst}",)) for src, dst in pairs.items())
 
 
-def _gated_mlp(src: str, dst: str) -> tuple[KeyRule, ...]:
+def _gated_mlp(src: str, dst: str, layer: str = _LAYER) -> tuple[KeyRule, ...]:
     """A gated MLP: ``linear_fc1`` [2F, H] is gate rows then up rows; ``linear_fc2`` is down."""
     return (
-        KeyRule(rf"{_LAYER}\.{re.escape(src)}\.linear_fc1\.weight",
+        KeyRule(rf"{layer}\.{re.escape(src)}\.linear_fc1\.weight",
                 (f"{_HF_LAYER}.{dst}.gate_proj.weight", f"{_HF_LAYER}.{dst}.up_proj.weight")),
-        KeyRule(rf"{_LAYER}\.{re.escape(src)}\.linear_fc2\.weight", (f"{_HF_LAYER}.{dst}.down_proj.weight",)),
+        KeyRule(rf"{layer}\.{re.escape(src)}\.linear_fc2\.weight", (f"{_HF_LAYER}.{dst}.down_proj.weight",)),
     )
 
 
-def _routed_experts() -> tuple[KeyRule, ...]:
-    """The three megatron-core experts layouts, to HF ``mlp.experts.{e}.{gate,up,down}_proj``."""
-    moe = rf"(?P<moe>{_LAYER}\.mlp)"
+def _routed_experts(layer: str = _LAYER, block: str = "") -> tuple[KeyRule, ...]:
+    """The three megatron-core experts layouts, to HF ``mlp.experts.{e}.{gate,up,down}_proj``.
+    ``block`` tells the rule groups of another kind of layer apart (a group must be complete)."""
+    moe = rf"(?P<moe>{layer}\.mlp)"
     per = f"{_HF_LAYER}.mlp.experts.{{expert}}"
     gate_up = (f"{per}.gate_proj.weight", f"{per}.up_proj.weight")
     down = (f"{per}.down_proj.weight",)
     return (
         KeyRule(rf"{moe}\.experts\.local_experts\.(?P<local>\d+)\.linear_fc1\.weight", gate_up,
-                local_experts=True, group="sequential"),
+                local_experts=True, group=f"sequential{block}"),
         KeyRule(rf"{moe}\.experts\.local_experts\.(?P<local>\d+)\.linear_fc2\.weight", down,
-                local_experts=True, group="sequential"),
-        KeyRule(rf"{moe}\.experts\.linear_fc1\.weight(?P<local>\d+)", gate_up, local_experts=True, group="te_grouped"),
-        KeyRule(rf"{moe}\.experts\.linear_fc2\.weight(?P<local>\d+)", down, local_experts=True, group="te_grouped"),
+                local_experts=True, group=f"sequential{block}"),
+        KeyRule(rf"{moe}\.experts\.linear_fc1\.weight(?P<local>\d+)", gate_up, local_experts=True,
+                group=f"te_grouped{block}"),
+        KeyRule(rf"{moe}\.experts\.linear_fc2\.weight(?P<local>\d+)", down, local_experts=True,
+                group=f"te_grouped{block}"),
         KeyRule(rf"{moe}\.experts\.weight1", gate_up, per_expert=True, local_experts=True,
-                experts_view=("hidden_size", -1), split_dim=1, transpose=True, group="legacy_grouped"),
+                experts_view=("hidden_size", -1), split_dim=1, transpose=True, group=f"legacy_grouped{block}"),
         KeyRule(rf"{moe}\.experts\.weight2", down, per_expert=True, local_experts=True,
-                experts_view=(-1, "hidden_size"), transpose=True, group="legacy_grouped"),
+                experts_view=(-1, "hidden_size"), transpose=True, group=f"legacy_grouped{block}"),
     )
 
+
+_MTP_OWN = {  # what only an MTP layer has, around its decoder block
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+    "output_layer.weight": "shared_head.head.weight",  # the view's name of the output layer it projects through
+}
 
 _MODEL_RULES = (
     KeyRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",)),
@@ -115,19 +136,29 @@ _QKV = KeyRule(
     split_units=("num_attention_heads", "num_key_value_heads", "num_key_value_heads"),
 )
 
+
+def _deepseek_v3_layer(layer: str, block: str = "") -> tuple[KeyRule, ...]:
+    """Every rule of one DeepSeek-V3 decoder layer (or an MTP layer's decoder block) at ``layer``."""
+    return (
+        *_routed_experts(layer, block),
+        *_gated_mlp("mlp.shared_experts", "mlp.shared_experts", layer),
+        *_gated_mlp("mlp", "mlp", layer),
+        *_renames(_NORMS_AND_ROUTER, layer),
+        *_renames(_MLA_ATTENTION, layer),
+    )
+
 MEGATRON_DEEPSEEK_V3 = ModelTable(
     model_types=(f"{NAMING}:deepseek_v3", f"{NAMING}:kimi_k2"),
     rules=(
         *_MODEL_RULES,
-        *_routed_experts(),
-        *_gated_mlp("mlp.shared_experts", "mlp.shared_experts"),
-        *_gated_mlp("mlp", "mlp"),
-        *_renames(_NORMS_AND_ROUTER),
-        *_renames(_MLA_ATTENTION),
+        *_deepseek_v3_layer(_LAYER),
+        *_deepseek_v3_layer(_MTP_BLOCK, ":mtp"),
+        *_renames(_MTP_OWN, _MTP),
     ),
     num_experts_fields=("n_routed_experts",),
     tied_keys=("output_layer.weight",),
-    description="megatron-core DeepSeek-V3 (MLA): decoder.layers.L.mlp.experts.local_experts.i",
+    description="megatron-core DeepSeek-V3 (MLA): decoder.layers.L.mlp.experts.local_experts.i, "
+                "mtp.layers.L.{enorm,hnorm,eh_proj,final_layernorm,output_layer,transformer_layer.*}",
     require_rule=True,
     fp8_weights=DEEPSEEK_V3.fp8_weights,  # over HF names: the same checkpoint format
 )

@@ -179,7 +179,8 @@ def evaluate_mmlu(
         padding=padding_summary(tally for _, tally in gathered),
         scoring=scoring_summary(prepared, batch_size=opts.batch_size, batches=batches, uniform_shapes=uniform_shapes,
                                 tokens_per_batch=budget, prefixes=prefixes,
-                                prefix_attention=("packed" if runner.packed else "copied") if prefixes else None),
+                                prefix_attention=("packed" if runner.packed else "copied") if prefixes else None,
+                                prefix_status=_shared_prefix_state(model, opts, uniform_shapes)),
         steps=plan.n_steps,
     )
 
@@ -210,15 +211,26 @@ def _prepared(model: Any, tokenizer: Any, questions: Sequence[Question] | Prepar
 
 def _shared_prefixes(model: Any, prepared: PreparedQuestions, opts: MMLUOptions,
                      uniform_shapes: bool) -> tuple[SharedPrefix, ...]:
-    """The prefixes to share, or none (full prompts, with a log line saying why)."""
+    """The prefixes to share, or none (full prompts, with a log line saying why unless asked for)."""
+    reason = _prefix_sharing_off(model, opts, uniform_shapes)
+    if reason is None:
+        return find_shared_prefixes(prepared, multiple=prefix_multiple(model))
+    if opts.shared_prefix and is_global_rank0():
+        logger.warning("MMLU: shared prefixes off, evaluating full prompts: %s", reason)
+    return ()
+
+
+def _prefix_sharing_off(model: Any, opts: MMLUOptions, uniform_shapes: bool) -> str | None:
+    """Why shared prefixes are off for ``model``, or None when they are on."""
     if not opts.shared_prefix:
-        return ()
-    reason = ("the model needs uniform shapes across ranks" if uniform_shapes else cache_support(model))
-    if reason is not None:
-        if is_global_rank0():
-            logger.warning("MMLU: shared prefixes off, evaluating full prompts: %s", reason)
-        return ()
-    return find_shared_prefixes(prepared, multiple=prefix_multiple(model))
+        return "shared_prefix=False"
+    return "the model needs uniform shapes across ranks" if uniform_shapes else cache_support(model)
+
+
+def _shared_prefix_state(model: Any, opts: MMLUOptions, uniform_shapes: bool) -> str:
+    """``MMLUResult.scoring["shared_prefix"]``: ``"on"``, or ``"off: <why>"``."""
+    reason = _prefix_sharing_off(model, opts, uniform_shapes)
+    return "on" if reason is None else f"off: {reason}"
 
 
 def _read_scores(runner: ForwardRunner) -> tuple[dict[int, list[float]], BaseException | None]:
@@ -305,12 +317,13 @@ def phase_coordinator(layout: ParallelLayout, *, timeout_s: float = MMLUOptions.
 
 
 def _model_groups(model: Any, layout: ParallelLayout, coordinator: Coordinator) -> list[Any]:
-    """The process groups the model's forwards run collectives on: the layout's and those of the
-    DeviceMeshes of its DTensor parameters (FSDP2's shard groups, the EP experts' mesh), never the
-    coordinator's own group, which must still carry the report."""
+    """The process groups the model's forwards run collectives on: the layout's (the pipeline
+    group's point-to-point transfers included) and those of the DeviceMeshes of its DTensor
+    parameters (FSDP2's shard groups, the EP experts' mesh), never the coordinator's own group,
+    which must still carry the report."""
     from torch.distributed.tensor import DTensor
 
-    groups = [g for g in (layout.dp.group, layout.ep.group, layout.edp.group) if g is not None]
+    groups = [g for g in (layout.dp.group, layout.ep.group, layout.edp.group, layout.pp.group) if g is not None]
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     for mesh in meshes.values():
         groups.extend(mesh.get_all_groups())

@@ -81,10 +81,13 @@ def score_records(prepared: PreparedQuestions, row_scores: dict[int, list[float]
 
 
 def layout_summary(layout: ParallelLayout) -> dict[str, Any]:
-    """Where the groups came from and this rank's place in each (picklable, JSON-ready)."""
+    """Where the groups came from and this rank's place in each (picklable, JSON-ready); the
+    pipeline group only under pipeline parallelism."""
+    groups = [("dp", layout.dp), ("ep", layout.ep), ("edp", layout.edp)]
+    if layout.pp.size > 1:
+        groups.append(("pp", layout.pp))
     return {"source": layout.source,
-            **{k: {"rank": g.rank, "size": g.size, "ranks": list(g.ranks)}
-               for k, g in (("dp", layout.dp), ("ep", layout.ep), ("edp", layout.edp))}}
+            **{k: {"rank": g.rank, "size": g.size, "ranks": list(g.ranks)} for k, g in groups}}
 
 
 def padding_summary(tallies: Iterable[PaddingTally]) -> dict[str, float]:
@@ -108,10 +111,13 @@ def timing_summary(started: float, prepared_at: float, forwards_done: float, fin
 
 def scoring_summary(prepared: PreparedQuestions, *, batch_size: int, batches: Sequence[Batch],
                     uniform_shapes: bool, tokens_per_batch: int,
-                    prefixes: Sequence[SharedPrefix], prefix_attention: str | None = None) -> dict[str, Any]:
+                    prefixes: Sequence[SharedPrefix], prefix_attention: str | None = None,
+                    prefix_status: str | None = None) -> dict[str, Any]:
     """How the questions were scored and batched (``tokens_per_batch`` as resolved: 0 = fixed
     batches of ``batch_size`` rows; ``prefix_attention``: how suffixes attended to their shared
-    prefix, ``"packed"`` or ``"copied"``, None without shared prefixes)."""
+    prefix, ``"packed"`` or ``"copied"``, None without shared prefixes; ``prefix_status`` (reported
+    as ``shared_prefix``): ``"on"``
+    or ``"off: <why>"``, e.g. pipeline stages, which keep no KV cache)."""
     shared_rows = sum(len(p.rows) for p in prefixes)
     return {"k_shot": prepared.k_shot, "max_length": prepared.max_length,
             "single_token_questions": prepared.single_token_questions,
@@ -119,5 +125,5 @@ def scoring_summary(prepared: PreparedQuestions, *, batch_size: int, batches: Se
             "truncated_questions": prepared.truncated_questions, "rows": len(prepared.rows),
             "batch_size": batch_size, "tokens_per_batch": tokens_per_batch, "batches": len(batches),
             "prefix_batches": sum(b.kind == "prefix" for b in batches), "shared_prefixes": len(prefixes),
-            "shared_prefix_rows": shared_rows, "prefix_attention": prefix_attention,
+            "shared_prefix_rows": shared_rows, "prefix_attention": prefix_attention, "shared_prefix": prefix_status,
             "uniform_shapes": bool(uniform_shapes)}

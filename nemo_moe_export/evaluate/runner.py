@@ -288,9 +288,13 @@ def inference(model: Any) -> Iterator[None]:
 
 
 def cache_support(model: Any) -> str | None:
-    """Why ``model`` cannot evaluate shared prefixes, or None when it can: its forward must take a
-    cache (``cache`` in transformers >= 5.2x, ``past_key_values`` before), ``use_cache`` and
-    ``position_ids``."""
+    """Why ``model`` cannot evaluate shared prefixes, or None when it can: it must not declare a
+    reason itself (``cache_unsupported_reason``: pipeline stages keep no KV cache) and its forward
+    must take a cache (``cache`` in transformers >= 5.2x, ``past_key_values`` before),
+    ``use_cache`` and ``position_ids``."""
+    declared = getattr(model, "cache_unsupported_reason", None)
+    if declared:
+        return f"{type(model).__name__}: {declared}"
     params = inspect.signature(model.forward).parameters
     missing = [name for name, ok in (("cache or past_key_values", _cache_kwarg(params) is not None),
                                      ("use_cache", "use_cache" in params), ("position_ids", "position_ids" in params))

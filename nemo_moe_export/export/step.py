@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from nemo_moe_export.adapters import HFShard, StateDictAdapter, get_adapter
+from nemo_moe_export.adapters import HFShard, StateDictAdapter, get_adapter, model_parts, state_dict_of
 from nemo_moe_export.adapters.passthrough import extra_metadata, extra_pieces
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.casting import float32_keys, fp32_patterns
@@ -49,15 +49,18 @@ from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export, write_shares
 from nemo_moe_export.export.quantize import quantization_config, quantize_export
 from nemo_moe_export.export.replicas import ReplicaReport, ReplicaSet, check_replicas, replica_sets, with_copies
+from nemo_moe_export.export.stages import (Catalogue, catalogue_of, check_declared, check_mtp_layers, check_tied,
+                                           merge_catalogues, pipeline_group_of, stage_replicated, tied_boxes,
+                                           tied_pairs)
 from nemo_moe_export.export.storage import StorageWriter, check_writer_ranks, writer_for
 from nemo_moe_export.export.target import ExportTarget, new_export_id, write_metadata_files
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.export.writer import WriteStats, write_headers
 from nemo_moe_export.hooks import Hook, RecipeContext
-from nemo_moe_export.parallel import Coordinator, PeerError
+from nemo_moe_export.parallel import Coordinator, PeerError, RankGroup
 
-__all__ = ["ExportResult", "ExportStep", "cyclic_gc_paused", "export_hf_checkpoint", "export_plan_of", "rank_write_shares",
-           "replicated_tensors"]
+__all__ = ["ExportResult", "ExportStep", "cyclic_gc_paused", "export_catalogue", "export_hf_checkpoint",
+           "export_plan_of", "plan_of", "rank_write_shares", "replicated_tensors"]
 
 
 @dataclass
@@ -96,8 +99,10 @@ class _Inputs:
     adapter: StateDictAdapter
     tokenizer: Any = None
     generation_config: Any = None
-    model: Any = None
+    model: Any = None  # the model, or this rank's first stage module (what casting reads)
     extra: Mapping[str, Any] = field(default_factory=dict)  # HF key -> tensor | DTensor | HFShard
+    pp: RankGroup = field(default_factory=RankGroup.alone)  # this rank's pipeline group
+    stages: bool = False  # given as a list of stage modules
 
 
 @dataclass(frozen=True)
@@ -168,12 +173,17 @@ def export_hf_checkpoint(
     generation_config: Any = None,
     group: Any = None,
     extra: Mapping[str, Any] | None = None,
+    pp_group: Any = None,
     **overrides: Any,
 ) -> ExportResult:
     """Export a (possibly sharded) model to a Hugging Face checkpoint; call on every rank of ``group``.
 
-    Pass ``model`` (a transformers model, sharded or not) or ``state_dict`` + ``config``. No rank
-    gathers the model: each writes its own shards into the final files. ``extra`` adds tensors
+    Pass ``model`` (a transformers model, sharded or not), this rank's pipeline stage modules (a
+    list of "model parts", each keeping the original names, as torch pipelining builds them) or
+    ``state_dict`` + ``config``. No rank gathers the model: each writes its own shards into the
+    final files. ``pp_group`` is the pipeline group (one rank per stage position; a process group
+    or a ``RankGroup``; default: ``model.pipeline_group`` where the model records one, else no
+    pipeline): the plan is laid out from the keys of every stage (docs/design.md#pipeline-stages). ``extra`` adds tensors
     that live outside the model's state dict, under their HF names and in their own dtype: the
     slices ``from_hf`` kept (``LoadReport.passthrough``; an adapter that loaded them adds its own),
     or plain tensors / DTensors (docs/design.md#pass-through-tensors). ``options`` (an
@@ -186,7 +196,7 @@ def export_hf_checkpoint(
     options, refused = _options_or_refusal(options, overrides)
     steps = _Steps(Coordinator(group, timeout_s=options.timeout_s, name="export"))
     given = dict(model=model, state_dict=state_dict, config=config, adapter=adapter, tokenizer=tokenizer,
-                 generation_config=generation_config, extra=extra)
+                 generation_config=generation_config, extra=extra, pp_group=pp_group)
     with cyclic_gc_paused():
         job = _validate(steps, output_dir, options, refused, given)
         try:
@@ -239,8 +249,11 @@ def _validate(steps: _Steps, output_dir: Any, options: ExportOptions, refused: E
         with steps.agreed("validate"):
             if refused is not None:
                 raise refused
-            local = _plan_locally(coordinator, output_dir, options, _resolve_inputs(**given))
-            counts = element_counts(local.plan, local.shares)
+            staged = _stage_locally(coordinator, output_dir, options, _resolve_inputs(**given))
+            local = None if staged.pipelined else _lay_out(staged, staged.catalogue, options, coordinator)
+            counts = None if local is None else element_counts(local.plan, local.shares)
+        if local is None:  # pipeline stages: the plan and the plain tensors' holders span the stages
+            local, counts = _lay_out_stages(steps, staged, options)
         # Collectives only after the agreement (a peer that failed alone would leave us waiting);
         # their inputs are gathered, so every rank reaches the same verdict and raises the same error.
         plan = local.plan
@@ -256,6 +269,67 @@ def _validate(steps: _Steps, output_dir: Any, options: ExportOptions, refused: E
         # FP8: the quantized plan (laid out stamped), scales and writer (docs/design.md#fp8-export); else unchanged.
         plan, shares, writer = quantize_export(steps, options, inputs.adapter, plan, shares, writer)
     return _Job(coordinator, options, target, inputs, plan, shares, writer, writer.file_owners(plan), replicas)
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """What each rank resolves alone in validate: the target, the inputs and its stages' catalogue."""
+
+    target: ExportTarget
+    inputs: _Inputs
+    extras: dict[str, HFShard]  # the extra tensors' pieces
+    catalogue: Catalogue  # what this rank's stages write (the whole model without pipeline stages)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.inputs.pp.size > 1
+
+
+def _stage_locally(coordinator: Coordinator, output_dir: Any, options: ExportOptions, inputs: _Inputs) -> _Staged:
+    """Rank-local part of validate: the target may be written, the inputs and what they write."""
+    check_writer_ranks(options, coordinator)
+    _check_replica_source(options, coordinator)
+    target = ExportTarget.at(output_dir)
+    target.check(options.overwrite)
+    if options.passthrough:  # what the adapter's from_hf kept, unless handed explicitly
+        inputs = replace(inputs, extra={**inputs.adapter.passthrough, **inputs.extra})
+    extras = extra_pieces(inputs.extra, _plain_replica(coordinator))
+    catalogue = export_catalogue(inputs.adapter, inputs.state_dict, options, extras=extras, model=inputs.model,
+                                 config=inputs.config, pp_rank=inputs.pp.rank)
+    if inputs.pp.size > 1:  # copies of tied weights on two stages, compared once the catalogues are merged
+        catalogue = replace(catalogue, tied=tied_boxes(inputs.state_dict, tied_pairs(inputs.model, inputs.config)))
+    if inputs.pp.size <= 1:  # under pipeline stages, once the stages' catalogues are merged
+        if inputs.stages and coordinator.rank == 0:  # stage modules without a pipeline group
+            check_declared(catalogue, inputs.adapter, inputs.pp)
+        check_mtp_layers(catalogue.metadata, inputs.config)
+    return _Staged(target, inputs, extras, catalogue)
+
+
+def _lay_out(staged: _Staged, catalogue: Catalogue, options: ExportOptions, coordinator: Coordinator) -> "_LocalPlan":
+    """The plan from ``catalogue``, this rank's write shares and its replica groups."""
+    inputs = staged.inputs
+    replicated = replicated_tensors(inputs.adapter, inputs.state_dict, inputs.extra)
+    return _LocalPlan(staged.target, inputs, plan_of(catalogue, options),
+                      _write_shares_of(inputs, coordinator, staged.extras),
+                      replica_sets(replicated, coordinator), replicated)
+
+
+def _lay_out_stages(steps: _Steps, staged: _Staged, options: ExportOptions) -> tuple["_LocalPlan", torch.Tensor]:
+    """Validate across pipeline stages (docs/design.md#pipeline-stages): the stage peers' plain
+    tensors as replicas and the catalogue merged over the pipeline group (collectives every rank
+    reaches first), then the checks and the plan, under one more agreement."""
+    with steps.agreed("validate stages"):
+        inputs = staged.inputs
+        state_dict = stage_replicated(inputs.state_dict, inputs.pp, steps.coordinator)
+        merged = merge_catalogues(staged.catalogue, inputs.pp)
+        if steps.coordinator.rank == 0:  # one rank builds the reference; the agreement tells every rank
+            check_declared(merged, inputs.adapter, inputs.pp)
+        check_tied(merged, tied_pairs(inputs.model, inputs.config), inputs.pp)
+        check_mtp_layers(merged.metadata, inputs.config)
+        staged = replace(staged, inputs=replace(inputs, state_dict=state_dict))
+        local = _lay_out(staged, merged, options, steps.coordinator)
+        counts = element_counts(local.plan, local.shares)
+    return local, counts
 
 
 @dataclass(frozen=True)
@@ -297,37 +371,44 @@ def _with_reconciled(inputs: _Inputs, current: Mapping[str, torch.Tensor]) -> _I
 
 def _resolve_inputs(model: Any, state_dict: Mapping[str, torch.Tensor] | None, config: Any,
                     adapter: StateDictAdapter | None, tokenizer: Any, generation_config: Any,
-                    extra: Mapping[str, Any] | None) -> _Inputs:
-    """The state dict, HF config, adapter and extra tensors to export, from a model or given directly."""
+                    extra: Mapping[str, Any] | None, pp_group: Any = None) -> _Inputs:
+    """The state dict, HF config, adapter, extra tensors and pipeline group to export, from a model
+    (or this rank's stage modules) or given directly."""
+    parts = model_parts(model)
+    first = parts[0] if parts else None
     if state_dict is None:
-        if model is None:
-            raise ExportInputError("nothing to export", key="model", expected="a model or a state_dict",
+        if first is None:
+            raise ExportInputError("nothing to export", key="model", expected="a model, its stage modules or a state_dict",
                                    actual="neither")
-        state_dict = model.state_dict()
-    config = config if config is not None else getattr(model, "config", None)
+        state_dict = state_dict_of(parts)
+    config = config if config is not None else getattr(first, "config", None)
     if config is None:
         raise ExportInputError("no HF config", key="config", expected="model.config or config=", actual=None)
-    if generation_config is None and model is not None and getattr(model, "can_generate", lambda: False)():
-        generation_config = getattr(model, "generation_config", None)
+    if generation_config is None and first is not None and getattr(first, "can_generate", lambda: False)():
+        generation_config = getattr(first, "generation_config", None)
     adapter = adapter or get_adapter(config)
-    return _Inputs(state_dict, config, adapter, tokenizer, generation_config, model, dict(extra or {}))
+    return _Inputs(state_dict, config, adapter, tokenizer, generation_config, first, dict(extra or {}),
+                   pipeline_group_of(pp_group, model), isinstance(model, (list, tuple)))
 
 
-def _plan_locally(coordinator: Coordinator, output_dir: Any, options: ExportOptions, inputs: _Inputs) -> _LocalPlan:
-    """Rank-local part of validate: the target may be written, the plan, this rank's write shares
-    and its replica groups."""
-    check_writer_ranks(options, coordinator)
-    _check_replica_source(options, coordinator)
-    target = ExportTarget.at(output_dir)
-    target.check(options.overwrite)
-    if options.passthrough:  # what the adapter's from_hf kept, unless handed explicitly
-        inputs = replace(inputs, extra={**inputs.adapter.passthrough, **inputs.extra})
-    extras = extra_pieces(inputs.extra, _plain_replica(coordinator))
-    plan = export_plan_of(inputs.adapter, inputs.state_dict, options, extras=extras, model=inputs.model,
-                          config=inputs.config)
-    replicated = replicated_tensors(inputs.adapter, inputs.state_dict, inputs.extra)
-    return _LocalPlan(target, inputs, plan, _write_shares_of(inputs, coordinator, extras),
-                      replica_sets(replicated, coordinator), replicated)
+def export_catalogue(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tensor], options: ExportOptions, *,
+                     extras: Mapping[str, HFShard] | None = None, model: Any = None, config: Any = None,
+                     pp_rank: int = 0) -> Catalogue:
+    """What ``state_dict`` (a whole model, or one rank's pipeline stages) writes: every HF key with
+    its global shape and dtype, and which keys stay float32 (``casting.py``) or exact (``extras``,
+    kept in their own dtype). Pure: global shapes only."""
+    extras = dict(extras or {})
+    sources = adapter.hf_source_keys(state_dict)
+    float32 = float32_keys(fp32_patterns(options.torch_dtype, model, config if config is not None else adapter.config),
+                           sources)
+    return catalogue_of(_all_metadata(adapter, state_dict, extras), float32, frozenset(extras), pp_rank)
+
+
+def plan_of(catalogue: Catalogue, options: ExportOptions) -> ExportPlan:
+    """The checkpoint's layout (files, headers, offsets) of ``catalogue`` exported with ``options``."""
+    return plan_export(catalogue.metadata, dtype=options.torch_dtype, keep_dtype=options.keep_dtype,
+                       max_shard_size=options.max_shard_size, keep_exact=catalogue.exact,
+                       keep_float32=catalogue.float32)
 
 
 def export_plan_of(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tensor], options: ExportOptions, *,
@@ -339,13 +420,8 @@ def export_plan_of(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Ten
     tensors' pieces (their own dtype is kept); ``model`` / ``config`` say what transformers keeps
     in float32 (``casting.py``).
     """
-    extras = dict(extras or {})
-    sources = adapter.hf_source_keys(state_dict)
-    dtype = options.torch_dtype
-    return plan_export(_all_metadata(adapter, state_dict, extras), dtype=dtype, keep_dtype=options.keep_dtype,
-                       max_shard_size=options.max_shard_size, keep_exact=set(extras),
-                       keep_float32=float32_keys(fp32_patterns(dtype, model, config if config is not None
-                                                               else adapter.config), sources))
+    return plan_of(export_catalogue(adapter, state_dict, options, extras=extras, model=model, config=config),
+                   options)
 
 
 def replicated_tensors(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tensor],

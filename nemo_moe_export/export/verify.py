@@ -333,7 +333,7 @@ _SCALE_DTYPES = ("F32", "BF16")
 _TP_COLUMN = re.compile(r"\.(gate_proj|up_proj|w1|w3|q_proj|k_proj|v_proj|q_b_proj|kv_b_proj)\.weight$")
 _TP_ROW = re.compile(r"\.(down_proj|w2|o_proj)\.weight$")
 _KV = re.compile(r"\.(k_proj|v_proj)\.weight$")
-_MTP_MODULES = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # what only an MTP layer has
+MTP_MODULES = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # what only an MTP layer has
 
 
 def _text_config(config: Mapping | None) -> Mapping:
@@ -433,7 +433,7 @@ def _mtp_check(entries: dict[str, TensorEntry], text: Mapping, report: VerifyRep
     for layer in range(layers, layers + n):
         prefix = f"model.layers.{layer}."
         have = {k[len(prefix):] for k in entries if k.startswith(prefix)}
-        missing = [m for m in _MTP_MODULES if m not in have]
+        missing = [m for m in MTP_MODULES if m not in have]
         if missing:
             report.problems.append(
                 f"config.json says num_nextn_predict_layers={n}, but the MTP layer {prefix}* "

@@ -4,8 +4,10 @@
   ``GPTModel`` transformers-style to the MMLU evaluator (megatron's own token dispatchers run the
   forwards, under ``parallel_state``'s groups) and to the hooks and the no-gather export;
 * ``hf_config.py``: the HF config (``config.json``) built from the model's ``TransformerConfig``;
-* ``state.py``: the export's view of the model's tensors (DTensors over their replica groups) and
-  the EP ranks' ``local_expert_indices``;
+* ``state.py``: the export's view of the model's tensors (DTensors over their replica groups, under
+  global layer numbers) and the EP ranks' ``local_expert_indices``;
+* ``pipeline.py``: the forward of a model split into pipeline stages (megatron's own schedule; the
+  last stage's logits on every rank);
 * ``tiny.py``: tiny DeepSeek-V3-style (MLA) and Qwen3-MoE-style models for the recipe and tests;
 * ``recipe.py``: the recipe's model (``model.backend: megatron_core``): ``parallel_state``, build, wrap;
 * ``checkpoint.py``: training checkpoints with megatron's own ``dist_checkpointing``;

@@ -21,7 +21,9 @@ CUDA_PATCHES = (
     "tensor_parallel.random: the CUDA RNG tracker (model_parallel_cuda_manual_seed)",
     "torch.cuda.current_device (router.py weights and expert_bias, rotary embedding inv_freq)",
     "MoEAlltoAllTokenDispatcher: torch.cuda.Stream and the device-to-host split copies",
-    "torch.cuda.synchronize (dist_checkpointing)",
+    "torch.cuda.synchronize (dist_checkpointing, pipeline p2p)",
+    "pipeline_parallel/schedules.py: torch.zeros([], device=\"cuda\") (the token counter)",
+    "language_module.py setup_embeddings_and_output_layer: weight.data.cuda() (pipeline embedding copy)",
 )
 # megatron-core 0.16.1 without Transformer Engine, on any device: its MoE router raises NameError
 # and MLA takes TE-only paths. GPU ranks without TE need these three as well (apply_without_te).
@@ -42,6 +44,8 @@ def apply() -> tuple[str, ...]:
         _current_device()
         _alltoall_host_copies()
         torch.cuda.synchronize = lambda *args, **kwargs: None  # nothing runs asynchronously on a CPU rank
+        _schedule_token_counter()
+        _embedding_copy_on_cpu()
         _applied.add("cuda")
     apply_without_te()
     return PATCHES
@@ -99,6 +103,45 @@ def _alltoall_host_copies() -> None:
         return tokens_per_expert
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
+
+
+def _schedule_token_counter() -> None:
+    """Each of megatron's pipeline schedules starts its token counter with ``torch.zeros([],
+    dtype=torch.int, device="cuda")``. The schedules module sees a ``torch`` whose ``zeros`` puts
+    a ``"cuda"`` tensor on the CPU, where every other tensor of a CPU rank lives; every other name
+    is torch's own."""
+    from megatron.core.pipeline_parallel import schedules
+
+    class TorchWithCpuZeros:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+        @staticmethod
+        def zeros(*args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+            return torch.zeros(*args, device="cpu" if str(device).startswith("cuda") else device, **kwargs)
+
+    schedules.torch = TorchWithCpuZeros()
+
+
+def _embedding_copy_on_cpu() -> None:
+    """Under pipeline parallelism with tied embeddings or an MTP layer, the last stage builds its
+    own copy of the word embeddings, zeroes it and all-reduces it with the first stage's over the
+    embedding group, after moving it with ``weight.data.cuda()``. On a CPU rank the copy stays on
+    the CPU (gloo all-reduces CPU tensors), so ``Tensor.cuda`` is the identity while
+    ``setup_embeddings_and_output_layer`` runs, and only then."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+
+    def setup_on_cpu(self: Any) -> None:
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    LanguageModule.setup_embeddings_and_output_layer = setup_on_cpu
 
 
 def _router_gemm() -> None:

@@ -1,7 +1,9 @@
 """The Hugging Face config of a megatron-core ``GPTModel``: what the export writes as ``config.json``.
 
 Built from the model's own ``TransformerConfig`` (``MLATransformerConfig`` for DeepSeek-V3) and its
-modules: which layers are MoE is read from ``decoder.layers[i].mlp``, not from ``moe_layer_freq``.
+modules: which layers are MoE is read from ``decoder.layers[i].mlp``, not from ``moe_layer_freq``
+(under pipeline parallelism, from every stage's layers: the caller gathers them). A DeepSeek-V3
+multi-token-prediction block (``mtp_num_layers``) is ``num_nextn_predict_layers``.
 Field by field it is Megatron-Bridge's mapping (``deepseek/common.py``, ``qwen3_moe_bridge.py``;
 docs/design.md#megatron-core-models). A model the HF architecture cannot express (biases, another
 activation, zero-centred norms, a routing function the family does not use) is refused with an
@@ -22,9 +24,10 @@ from transformers import DeepseekV3Config, Qwen3MoeConfig
 
 from nemo_moe_export.adapters import InMemoryLayout
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.megatron.state import moe_layer_ids
 
 __all__ = ["FAMILIES", "MegatronDeepseekV3Config", "MegatronQwen3MoeConfig", "hf_config_for", "infer_family",
-           "moe_layer_ids", "stock_config_class"]
+           "stock_config_class"]
 
 FAMILIES = ("deepseek_v3", "qwen3_moe")
 
@@ -58,19 +61,16 @@ def infer_family(config: Any) -> str:
     return "deepseek_v3" if getattr(config, "multi_latent_attention", False) else "qwen3_moe"
 
 
-def moe_layer_ids(gpt_model: Any) -> list[int]:
-    """Indices of the decoder layers whose MLP is an MoE layer (they hold ``local_expert_indices``)."""
-    return [i for i, layer in enumerate(gpt_model.decoder.layers) if hasattr(layer.mlp, "local_expert_indices")]
-
-
-def hf_config_for(gpt_model: Any, family: str, layout: InMemoryLayout) -> Any:
-    """The HF config of ``gpt_model`` as ``family``, carrying ``layout``; refuses what HF cannot express."""
+def hf_config_for(gpt_model: Any, family: str, layout: InMemoryLayout, moe_layers: list[int] | None = None) -> Any:
+    """The HF config of ``gpt_model`` as ``family``, carrying ``layout``; refuses what HF cannot
+    express. ``moe_layers``: the global numbers of the model's MoE layers (default: this model's,
+    the whole model without pipeline stages)."""
     if family not in FAMILIES:
         raise ExportInputError("unsupported megatron-core model family", key="family", expected=FAMILIES,
                                actual=repr(family))
     cfg = gpt_model.config
     _require_common(gpt_model, cfg)
-    moe = moe_layer_ids(gpt_model)
+    moe = sorted(moe_layer_ids(gpt_model) if moe_layers is None else moe_layers)
     build = _deepseek_v3 if family == "deepseek_v3" else _qwen3_moe
     config = build(gpt_model, cfg, moe, _common_fields(gpt_model, cfg))
     config.in_memory_layout = layout
@@ -115,6 +115,7 @@ def _deepseek_v3(gpt_model: Any, cfg: Any, moe: list[int], common: dict[str, Any
         topk_group=cfg.moe_router_group_topk or 1, first_k_dense_replace=first_dense,
         # megatron normalizes sigmoid top-k scores only when top-k > 1 (moe_utils.py)
         norm_topk_prob=cfg.moe_router_topk > 1, rope_interleave=True, architectures=["DeepseekV3ForCausalLM"],
+        num_nextn_predict_layers=cfg.mtp_num_layers or 0,  # transformers' default is 1: say none when none
     )
 
 
@@ -126,6 +127,7 @@ def _qwen3_moe(gpt_model: Any, cfg: Any, moe: list[int], common: dict[str, Any])
     _require(not cfg.moe_shared_expert_intermediate_size, "moe_shared_expert_intermediate_size",
              "None (Qwen3-MoE has no shared experts)", cfg.moe_shared_expert_intermediate_size)
     _require(cfg.qk_layernorm, "qk_layernorm", "True (Qwen3 has q_norm / k_norm)", cfg.qk_layernorm)
+    _require(not cfg.mtp_num_layers, "mtp_num_layers", "None (Qwen3-MoE has no MTP layer)", cfg.mtp_num_layers)
     return MegatronQwen3MoeConfig(
         **common, num_key_value_heads=cfg.num_query_groups, head_dim=cfg.kv_channels,
         num_experts=cfg.num_moe_experts, decoder_sparse_step=1,
@@ -150,7 +152,9 @@ def _require_common(gpt_model: Any, cfg: Any) -> None:
              "rotary_percent", "1.0, not interleaved, no rope scaling",
              f"{gpt_model.rotary_percent}, interleaved={cfg.rotary_interleaved}, scaling={gpt_model.rotary_scaling}")
     _require(cfg.num_moe_experts is not None, "num_moe_experts", "an MoE model", None)
-    _require(gpt_model.mtp_block_spec is None, "mtp_num_layers", "no MTP block (not mapped yet)", cfg.mtp_num_layers)
+    # the MTP layers project through the output layer, so they must sit on the stage that holds it
+    _require(not gpt_model.mtp_process or gpt_model.post_process, "pipeline_model_parallel_layout",
+             "the MTP layers on the last pipeline stage (with the output layer)", "MTP layers on another stage")
 
 
 def _require(ok: Any, field: str, expected: str, actual: Any) -> None:

@@ -14,28 +14,36 @@ transformers model (docs/design.md#megatron-core-models).
 * ``.config`` is the HF config built from the model's ``TransformerConfig`` (``hf_config.py``); it
   carries the megatron names and the local experts for ``get_adapter``, not into ``config.json``.
 * ``state_dict()`` is the export's view (``state.py``): the live tensors, as DTensors over their
-  replica groups. Training checkpoints stay megatron's own (``gpt.sharded_state_dict()``).
+  replica groups, under global layer numbers. Training checkpoints stay megatron's own
+  (``gpt.sharded_state_dict()``).
 
-Groups come from ``parallel_state`` (``parallel.discover_layout``). Expert parallelism and data
-parallelism are supported; tensor, pipeline, context and expert-tensor parallelism are refused at
-construction (the wrapper would call one pipeline stage or one TP shard a whole model).
+Groups come from ``parallel_state`` (``parallel.discover_layout``). Expert, data and pipeline
+parallelism are supported. Under pipeline parallelism each rank wraps its own stage (a ``GPTModel``
+built with its ``pre_process`` / ``post_process``); the forward runs megatron's pipeline schedule
+and every rank returns the last stage's logits (``pipeline.py``), and ``pipeline_group`` tells the
+export which ranks hold the other stages (docs/design.md#pipeline-stages-megatron-core).
+``train_step`` (the recipe's trainer calls it) trains a pipelined model through megatron's own
+1F1B schedule; without pipeline stages it is one forward and backward, as the trainer's own. Tensor,
+context, expert-tensor and virtual-pipeline parallelism are refused at construction (the wrapper
+would take one TP shard or one model chunk for a whole stage).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers.modeling_outputs import CausalLMOutput
 
 from nemo_moe_export.adapters import InMemoryLayout
 from nemo_moe_export.adapters.tables_megatron import NAMING
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.megatron.hf_config import hf_config_for, infer_family, stock_config_class
-from nemo_moe_export.megatron.state import ReplicaMeshes, export_view, gather_local_experts
-from nemo_moe_export.parallel import ParallelLayout, discover_layout
+from nemo_moe_export.megatron.pipeline import main_head_only, pipelined_logits, pipelined_train_step, projecting_only
+from nemo_moe_export.megatron.state import ReplicaMeshes, export_view, gather_local_experts, moe_layer_ids
+from nemo_moe_export.parallel import ParallelLayout, RankGroup, discover_layout
 
 __all__ = ["MegatronCausalLM", "attention_mask_for", "check_parallelism"]
 
@@ -44,11 +52,15 @@ class MegatronCausalLM(torch.nn.Module):
     """``gpt_model`` (a megatron-core ``GPTModel``) called transformers-style; see the module doc.
 
     Construct it on every rank (it all-gathers the MoE layers' ``local_expert_indices`` over the EP
-    group). ``family`` is ``"deepseek_v3"`` or ``"qwen3_moe"`` (default: DeepSeek-V3 for MLA models,
-    Qwen3-MoE otherwise).
+    group and the MoE layer numbers over the pipeline group). ``family`` is ``"deepseek_v3"`` or
+    ``"qwen3_moe"`` (default: DeepSeek-V3 for MLA models, Qwen3-MoE otherwise). ``microbatches``:
+    how many microbatches the pipeline schedule cuts a batch into (default: one per stage; a
+    training batch must split into that many equal ones, a forward's takes the largest count not
+    above it that divides its rows); unused without pipeline stages.
     """
 
-    def __init__(self, gpt_model: Any, *, family: str | None = None, layout: ParallelLayout | None = None) -> None:
+    def __init__(self, gpt_model: Any, *, family: str | None = None, layout: ParallelLayout | None = None,
+                 microbatches: int | None = None) -> None:
         super().__init__()
         check_parallelism()
         self.gpt = gpt_model
@@ -57,9 +69,20 @@ class MegatronCausalLM(torch.nn.Module):
             raise ExportInputError("a megatron-core model needs parallel_state's groups", key="layout",
                                    expected="the layout discover_layout() reads from parallel_state",
                                    actual=f"a layout from {self.layout.source}")
+        if self.layout.pp.size != gpt_model.config.pipeline_model_parallel_size:  # a stage taken for a model
+            raise ExportInputError("the layout's pipeline group is not the model's pipeline", key="layout.pp",
+                                   expected=f"{gpt_model.config.pipeline_model_parallel_size} stages "
+                                            "(the model's pipeline_model_parallel_size)",
+                                   actual=f"a pipeline group of {self.layout.pp.size} ranks")
+        if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
+                                         or microbatches < 1):
+            raise ExportInputError("the pipeline's microbatch count must be a positive integer", key="microbatches",
+                                   expected="an integer >= 1 (None: one per stage)", actual=repr(microbatches))
+        self.microbatches = microbatches or self.layout.pp.size
         self.family = family or infer_family(gpt_model.config)
         local = gather_local_experts(gpt_model, self.layout)
-        self.config = hf_config_for(gpt_model, self.family, InMemoryLayout(NAMING, local))
+        moe_layers = _over_stages(moe_layer_ids(gpt_model), self.layout.pp)
+        self.config = hf_config_for(gpt_model, self.family, InMemoryLayout(NAMING, local), moe_layers)
         self._meshes = ReplicaMeshes(self.layout, next(gpt_model.parameters()).device.type)
         self._copy_fp32_declarations()
 
@@ -72,15 +95,77 @@ class MegatronCausalLM(torch.nn.Module):
         self._keep_in_fp32_modules = list(getattr(hf_class, "_keep_in_fp32_modules", None) or [])
         self._keep_in_fp32_modules_strict = list(getattr(hf_class, "_keep_in_fp32_modules_strict", None) or [])
 
+    @property
+    def pipeline_group(self) -> Any:
+        """The pipeline process group (one rank per stage, in stage order), or None without
+        pipeline parallelism: the export gathers every stage's keys over it
+        (docs/design.md#pipeline-stages-megatron-core)."""
+        return self.layout.pp.group if self.layout.pp.size > 1 else None
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 use_cache: bool = False, logits_to_keep: int | torch.Tensor = 0) -> CausalLMOutput:
-        """``.logits`` ``[rows, kept positions, vocab]``; ``use_cache`` is accepted and unused (no cache)."""
+        """``.logits`` ``[rows, kept positions, vocab]``; ``use_cache`` is accepted and unused (no
+        cache). Under pipeline parallelism every rank of a pipeline is called with the same batch
+        and returns the same logits."""
         rows, length = input_ids.shape
         position_ids = torch.arange(length, device=input_ids.device).expand(rows, length)
         mask = attention_mask_for(attention_mask, rows, length, input_ids.device)
-        with _project_only(self.gpt.output_layer, logits_to_keep):
+        if self.layout.pp.size > 1:
+            return CausalLMOutput(logits=pipelined_logits(self.gpt, self.layout.pp, input_ids, position_ids, mask,
+                                                          logits_to_keep, self.microbatches))
+        with projecting_only(self.gpt.output_layer, logits_to_keep), main_head_only(self.gpt):
             logits = self.gpt(input_ids, position_ids, mask, runtime_gather_output=True)
         return CausalLMOutput(logits=logits)
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                   attention_mask: torch.Tensor | None = None, optimizer: Any = None) -> torch.Tensor:
+        """The batch's loss (a float32 scalar, detached), its gradients accumulated into ``.grad``:
+        what the recipe's trainer calls for one training step.
+
+        Under pipeline parallelism every rank of a pipeline passes the same batch; megatron's own
+        1F1B schedule (``get_forward_backward_func()(forward_only=False)``) runs it in
+        ``self.microbatches`` equal microbatches (``rows`` must divide), the last stage computes
+        ``loss_fn(logits [rows, length, vocab], labels)`` per microbatch and the result is their
+        mean on every rank of the pipeline. Gradients are those of that mean, so with as many
+        labelled tokens in each microbatch they equal the unsplit model's for the whole batch; a
+        stage's copy of the word embeddings (MTP or tied output) has its gradient all-reduced with
+        the first stage's (``pipeline.py``). Without pipeline stages: ``loss_fn(self(...).logits,
+        labels).backward()``, exactly the trainer's own step. Averaging over data-parallel ranks
+        stays the caller's (the recipe's ``_sync_unsharded_grads``). With ``optimizer``: its
+        gradients are zeroed first and it steps after."""
+        expert_parallel = getattr(self.gpt.config, "expert_model_parallel_size", 1)
+        if expert_parallel != self.layout.ep.size:  # experts would be averaged with other experts
+            raise ExportInputError("the model's config does not have parallel_state's expert-parallel size",
+                                   key="expert_model_parallel_size",
+                                   expected=f"{self.layout.ep.size} (megatron marks expert weights allreduce=False "
+                                            "only when it is > 1; gradient averaging reads that mark)",
+                                   actual=expert_parallel)
+        if optimizer is not None:
+            optimizer.zero_grad()
+        if self.layout.pp.size > 1:
+            rows, length = input_ids.shape
+            position_ids = torch.arange(length, device=input_ids.device).expand(rows, length)
+            mask = attention_mask_for(attention_mask, rows, length, input_ids.device)
+            loss = pipelined_train_step(self.gpt, self.layout.pp, input_ids, position_ids, mask, labels, loss_fn,
+                                        self.microbatches)
+        else:
+            loss = loss_fn(self(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+            loss.backward()
+            loss = loss.detach().float()
+        if optimizer is not None:
+            optimizer.step()
+        return loss
+
+    def sync_embedding_copy(self) -> None:
+        """After loading weights through the view (``from_hf``), give a non-first stage's copy of
+        the word embeddings (built for an MTP layer or a tied output layer; not in the view) the
+        first stage's values again: megatron's own ``setup_embeddings_and_output_layer``, which
+        zeroes the copy and all-reduces it over the embedding group. Every rank calls it."""
+        gpt = self.gpt
+        if self.layout.pp.size > 1 and (gpt.pre_process or gpt.post_process or gpt.mtp_process):
+            with torch.no_grad():
+                gpt.setup_embeddings_and_output_layer()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The export's view of the live tensors (``state.py``); megatron's own checkpoint is
@@ -92,7 +177,7 @@ class MegatronCausalLM(torch.nn.Module):
 
 
 def check_parallelism() -> None:
-    """Refuse tensor, pipeline, context and expert-tensor parallelism (EP x DP only)."""
+    """Refuse tensor, context, expert-tensor and virtual-pipeline parallelism (EP x DP x PP only)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
@@ -100,12 +185,12 @@ def check_parallelism() -> None:
                                expected="parallel_state.initialize_model_parallel(...) before wrapping the model",
                                actual="not initialised")
     sizes = {"tensor_model_parallel": ps.get_tensor_model_parallel_world_size(),
-             "pipeline_model_parallel": ps.get_pipeline_model_parallel_world_size(),
              "context_parallel": ps.get_context_parallel_world_size(),
-             "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size()}
+             "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size(),
+             "virtual_pipeline_model_parallel": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
     if any(size != 1 for size in sizes.values()):
-        raise ExportInputError("only expert and data parallelism are supported for megatron-core models",
-                               key="parallel_state", expected="TP = PP = CP = expert-TP = 1", actual=sizes,
+        raise ExportInputError("only expert, data and pipeline parallelism are supported for megatron-core models",
+                               key="parallel_state", expected="TP = CP = expert-TP = virtual PP = 1", actual=sizes,
                                hint="docs/design.md#megatron-core-models says what is supported")
 
 
@@ -121,35 +206,10 @@ def attention_mask_for(attention_mask: torch.Tensor | None, rows: int, length: i
     return mask & ~torch.eye(length, dtype=torch.bool, device=device)
 
 
-def _kept_positions(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
-    """``hidden`` [s, b, h] at the positions ``keep`` names, as transformers' ``logits_to_keep``:
-    an int keeps the last ``keep``; a 1-D tensor those positions; a 2-D ``[b, n]`` integer tensor
-    each row's own positions."""
-    rows_first = hidden.transpose(0, 1)
-    if isinstance(keep, torch.Tensor) and keep.dim() == 2:
-        if keep.dtype == torch.bool:
-            raise ExportInputError("boolean logits_to_keep masks are not supported", key="logits_to_keep",
-                                   expected="an int or integer positions", actual="a bool mask")
-        rows_first = torch.take_along_dim(rows_first, keep[..., None], dim=1)
-    else:
-        rows_first = rows_first[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
-    return rows_first.transpose(0, 1)
-
-
-def _project_only(output_layer: Any, keep: int | torch.Tensor) -> Any:
-    """While active, ``output_layer`` projects only the kept positions (a forward pre-hook)."""
-    if isinstance(keep, int) and keep == 0:
-        return nullcontext()
-    return _hooked(output_layer, keep)
-
-
-@contextmanager
-def _hooked(output_layer: Any, keep: int | torch.Tensor) -> Iterator[None]:
-    def select(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return (_kept_positions(args[0], keep), *args[1:]), kwargs
-
-    handle = output_layer.register_forward_pre_hook(select, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()
+def _over_stages(ids: list[int], pp: RankGroup) -> list[int]:
+    """``ids`` of every stage of this rank's pipeline (one all-gather over the pipeline group)."""
+    if pp.size <= 1:
+        return ids
+    every: list[Any] = [None] * pp.size
+    dist.all_gather_object(every, ids, group=pp.group)
+    return sorted(i for stage in every for i in stage)

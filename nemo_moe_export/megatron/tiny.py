@@ -4,7 +4,11 @@ Used by the megatron-core recipe and the tests, and public like ``tiny_models``
 (docs/design.md#megatron-core-models). Every structural feature the adapter maps is kept: DeepSeek-V3's
 MLA with a low-rank query, a dense first layer, a shared expert and sigmoid routing with
 ``expert_bias``; Qwen3-MoE's grouped-query attention with q/k norms. Call after
-``parallel_state.initialize_model_parallel`` (the experts are split over its EP group).
+``parallel_state.initialize_model_parallel`` (the experts are split over its EP group; under
+pipeline parallelism each rank builds its own stage, with megatron's own split of the layers:
+even, or ``num_layers_in_first_pipeline_stage`` / ``num_layers_in_last_pipeline_stage`` /
+``pipeline_model_parallel_layout`` passed as overrides). A DeepSeek-V3-style multi-token-prediction
+layer (``mtp_num_layers=1``) is built on the last stage with the local spec.
 
 :func:`init_by_hf_name` gives every weight a value that depends only on its HF name and a seed, so
 the same model on any EP size holds the same weights (megatron initialises each rank's local
@@ -27,12 +31,23 @@ DISPATCHERS = ("alltoall", "allgather")
 
 def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int = 32, moe_ffn_hidden_size: int = 16,
                             num_layers: int = 2, dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32,
-                            **overrides: Any) -> Any:
+                            pipeline_size: int = 1, expert_parallel_size: int | None = None, **overrides: Any) -> Any:
     """A ``TransformerConfig`` (``MLATransformerConfig`` for ``deepseek_v3``) of a tiny MoE model.
 
     DeepSeek-V3: layer 0 dense, the rest MoE, one shared expert. Qwen3-MoE: every layer MoE.
+    ``pipeline_size`` must be ``parallel_state``'s pipeline size; ``expert_parallel_size``
+    (default: ``parallel_state``'s EP size, 1 before it is initialised) becomes megatron's
+    ``expert_model_parallel_size``, from which its linear layers mark expert weights
+    ``allreduce=False`` (only when > 1): the mark that tells a data-parallel gradient average
+    (megatron's DDP, the recipe's trainer) to take experts over the expert-data-parallel group, not
+    over data-parallel ranks that hold other experts. Other megatron fields (an uneven split,
+    ``mtp_num_layers``) come as ``overrides``.
     """
+    from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    if expert_parallel_size is None:
+        expert_parallel_size = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
 
     if dispatcher not in DISPATCHERS:
         raise ExportInputError("unknown megatron-core token dispatcher", key="model.dispatcher",
@@ -44,6 +59,8 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
         activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
         qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, kv_channels=8,
+        pipeline_model_parallel_size=pipeline_size, pipeline_dtype=dtype,  # what the stages exchange
+        expert_model_parallel_size=expert_parallel_size,
     )
     if family == "deepseek_v3":
         common.update(
@@ -63,13 +80,18 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
 
 
 def build_gpt(config: Any, *, vocab_size: int, max_sequence_length: int = 512) -> Any:
-    """A ``GPTModel`` with megatron-core's local (no Transformer Engine) layer specs."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    """This rank's ``GPTModel`` (its pipeline stage: embeddings on the first, the output layer and
+    any MTP layer on the last) with megatron-core's local (no Transformer Engine) layer specs."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if config.mtp_num_layers else None
     return GPTModel(config, spec, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-                    position_embedding_type="rope", share_embeddings_and_output_weights=False)
+                    position_embedding_type="rope", share_embeddings_and_output_weights=False,
+                    pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                    mtp_block_spec=mtp)
 
 
 def init_by_hf_name(model: Any, seed: int = 0, std: float = 0.02) -> None:
@@ -82,6 +104,7 @@ def init_by_hf_name(model: Any, seed: int = 0, std: float = 0.02) -> None:
     adapter = get_adapter(model.config)
     weights = {key: _seeded(key, meta.shape, meta.dtype, seed, std) for key, meta in adapter.hf_metadata(view).items()}
     adapter.from_hf(view, weights)
+    model.sync_embedding_copy()
 
 
 def _seeded(key: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, std: float) -> torch.Tensor:

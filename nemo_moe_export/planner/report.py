@@ -36,7 +36,8 @@ def build_report(target: Any, meta: Any, simulation: Any, timing: dict, *, devic
                    layer_groups={str(k): len(v) for k, v in meta.members.items()}),
         layout=dict(strategy=parallel.strategy, world_size=simulation.world_size,
                     replicate=parallel.replicate if parallel.strategy == "hsdp" else None,
-                    ep_size=parallel.ep_size if parallel.strategy in ("ep", "ep_fsdp") else None, device=device),
+                    ep_size=parallel.ep_size if parallel.strategy in ("ep", "ep_fsdp") else None, device=device,
+                    **_pipeline_layout(parallel, simulation)),
         export=dict(dtype=target.export.dtype, max_shard_size=target.export.max_shard_size,
                     staging_bytes=target.export.staging_bytes, writer_threads=target.export.writer_threads),
         checkpoint=dict(bytes=plan.total_tensor_bytes, files=len(plan.files), tensors=len(plan.tensors),
@@ -50,6 +51,10 @@ def build_report(target: Any, meta: Any, simulation: Any, timing: dict, *, devic
         time=timing,
         simulation_seconds=simulation.seconds,
     )
+    if simulation.stages is not None:
+        from nemo_moe_export.planner.stage_report import pipeline_report
+
+        report["pipeline"] = pipeline_report(simulation, timing, meta)
     if per_rank:
         report["ranks"] = [{"rank": r.rank, **{f: getattr(r, f) for f in _RANK_FIELDS}} for r in ranks]
     if mmlu is not None:
@@ -57,14 +62,30 @@ def build_report(target: Any, meta: Any, simulation: Any, timing: dict, *, devic
     return report
 
 
+def _pipeline_layout(parallel: Any, simulation: Any) -> dict:
+    """The pipeline's part of the layout (nothing without pipeline stages, as before them)."""
+    if simulation.stages is None:
+        return {}
+    p = simulation.stages.pipeline
+    return dict(pp_size=p.pp_size, stages_per_rank=p.stages_per_rank,
+                layers_per_stage=[len(ls) for ls in p.layers])
+
+
 def _layout_text(layout: dict) -> str:
     w = layout["world_size"]
+    pp = layout.get("pp_size", 1)
+    s = w // pp  # the ranks a stage is sharded over
     if layout["strategy"] == "hsdp":
-        return f"HSDP {layout['replicate']} x {w // layout['replicate']} on {w} ranks"
-    if layout["strategy"] in ("ep", "ep_fsdp"):
+        inner = f"HSDP {layout['replicate']} x {s // layout['replicate']}"
+    elif layout["strategy"] in ("ep", "ep_fsdp"):
         extra = " + FSDP of the dense part" if layout["strategy"] == "ep_fsdp" else ""
-        return f"EP {layout['ep_size']} x expert-DP {w // layout['ep_size']}{extra} on {w} ranks"
-    return f"FSDP on {w} ranks"
+        inner = f"EP {layout['ep_size']} x expert-DP {s // layout['ep_size']}{extra}"
+    else:
+        inner = "FSDP"
+    if pp == 1:
+        return f"{inner} on {w} ranks"
+    virtual = f", {layout['stages_per_rank']} virtual stages per rank" if layout["stages_per_rank"] > 1 else ""
+    return f"PP {pp}{virtual} x {inner} on {w} ranks ({s} per stage)"
 
 
 def format_table(report: dict) -> str:
@@ -105,6 +126,8 @@ def format_table(report: dict) -> str:
         f"{_yes(checks['rank_bytes_sum_to_checkpoint'])}; plan digest identical on every rank: "
         f"{_yes(checks['plan_digest_identical'])}",
     ]
+    if "pipeline" in report:
+        lines += _pipeline_lines(report["pipeline"])
     if "mmlu" in report:
         mm = report["mmlu"]
         lines.append(f"MMLU: {mm['questions']} questions, {mm['rows']} rows, {mm['batches']} forwards "
@@ -114,6 +137,32 @@ def format_table(report: dict) -> str:
                          f"min {p['rows_min']} mean {p['rows_mean']:.1f} max {p['rows_max']} "
                          f"(rows computed in all: {p['rows_total']})")
     return "\n".join(lines)
+
+
+def _pipeline_lines(p: dict) -> list[str]:
+    """Per pipeline rank (its stages together), the ends' imbalance, the MTP layer and the stage collectives."""
+    lines = ["", f"pipeline: {p['stages']} stages ({p['layers_per_stage']} layers), {p['ranks_per_stage']} ranks per "
+             "stage", f"{'pp rank':<9}{'stages':<14}{'ranks':<12}{'bytes':>11}{'max/rank':>11}{'files':>7}{'write s':>9}"]
+    for r in p["per_pipeline_rank"]:
+        stages = ",".join(str(s) for s in r["stages"])
+        seconds = "" if r["write_s"] is None else f"{r['write_s']:.2f}"
+        lines.append(f"{r['pp_rank']:<9}{stages:<14}{r['ranks']:<12}{format_bytes(r['bytes']):>11}"
+                     f"{format_bytes(r['max_rank_bytes']):>11}{r['files_touched']:>7}{seconds:>9}")
+    i = p["imbalance"]
+    lines.append(f"first stage {i['first_stage_over_mean']}x the mean stage ({', '.join(i['first_stage_ends'])}), last "
+                 f"{i['last_stage_over_mean']}x ({', '.join(i['last_stage_ends'])}); heaviest pipeline rank "
+                 f"{i['heaviest_pipeline_rank']} ({format_bytes(i['heaviest_rank_bytes'])} on its busiest rank)")
+    if p["mtp"]:
+        m = p["mtp"]
+        lines.append(f"MTP layer ({m['layers']}): {format_bytes(m['bytes'])}, not in the stage bytes: written as "
+                     f"pass-through, {format_bytes(m['per_rank_as_passthrough'])} per rank; on the last stage it "
+                     f"would add {format_bytes(m['per_last_stage_rank_if_held_there'])} per rank")
+    c = p["collectives"]
+    if c:
+        lines.append(f"stage work: peers' group {c['stage_group_setup_s']:.2f} s, pipeline ranks gather "
+                     f"{c['pipeline_ranks_gather_s']:.2f} s, catalogue merge {c['catalogue_merge_s']:.2f} s, "
+                     f"validate stages {c['validate_stages_s']:.2f} s")
+    return lines
 
 
 def _yes(value: Any) -> str:

@@ -38,11 +38,13 @@ from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners, check_coverage, element_counts
 from nemo_moe_export.export.replicas import replica_sets
-from nemo_moe_export.export.step import cyclic_gc_paused, export_plan_of, rank_write_shares, replicated_tensors
+from nemo_moe_export.export.step import (cyclic_gc_paused, export_catalogue, export_plan_of, rank_write_shares,
+                                         replicated_tensors)
 from nemo_moe_export.export.writer import byte_runs
 from nemo_moe_export.planner.model import MetaModel
+from nemo_moe_export.planner.pipeline import Pipeline, pipeline_of
 
-__all__ = ["RankPlan", "Simulation", "fake_world", "simulate"]
+__all__ = ["RankPlan", "Simulation", "StageWork", "fake_world", "simulate"]
 
 # What the replica check all-reduces (replicas.py): per replica group a header of 2 int64 and per
 # tensor 3 int64 checksums, each as [v, flip(v)] so one MAX gives max and min.
@@ -100,10 +102,26 @@ class Simulation:
     index_seconds: float = 0.0
     verify_seconds: float = 0.0
     layer_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    stages: "StageWork | None" = None  # under pipeline stages: their layout and the export's extra work
 
     @property
     def total_bytes(self) -> int:
         return sum(r.bytes for r in self.ranks)
+
+
+@dataclass
+class StageWork:
+    """Under pipeline stages: the stages, and what the export's validate step does for them besides
+    a plain export's work (``stages.py`` of the export; timed here on this model)."""
+
+    pipeline: Pipeline
+    catalogue_seconds: float = 0.0  # a rank's catalogue pickled, every pipeline rank's unpickled and merged
+    catalogue_bytes: int = 0  # the largest pickled catalogue (all_gather_object pads each to it)
+    declared_seconds: float = 0.0  # rank 0's check_declared (transformers' model on the meta device)
+    held_fraction: float = 1.0  # the model's tensors the fullest pipeline rank holds
+
+    def pp_rank(self, rank: int, world: int) -> int:
+        return rank // (world // self.pipeline.pp_size)
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
@@ -154,38 +172,62 @@ class _Coordinator:
 
 
 class _Layout:
-    """The meshes and placements ``shard_model`` gives each kind of tensor, for the current rank."""
+    """The meshes and placements ``shard_model`` gives each kind of tensor, for the current rank.
+
+    Under pipeline parallelism (``pp_size`` > 1) every mesh has "pp" as its outermost dim and the
+    strategy shards inside a stage over the stage's ``S = W / pp_size`` ranks, on the stage's
+    sub-mesh; a plain tensor is a ``Replicate()`` DTensor over those ranks (the "stage peers"), as
+    the export's ``stages.stage_replicated`` makes it (docs/design.md#planner)."""
 
     def __init__(self, parallel: Any, world: int) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard
 
-        strategy = parallel.strategy
-        self.dense = self.experts = None  # (mesh, placements); None: a plain tensor
+        strategy, pp = parallel.strategy, _pp_size(parallel)
+        stage = world // pp  # ranks per stage (the whole world without pipeline stages)
+        self.dense = self.experts = self.plain = None  # (mesh, placements); None: a plain tensor
         if strategy in ("fsdp", "hsdp", "ep_fsdp"):
             if strategy == "hsdp":
-                mesh = init_device_mesh("cpu", (parallel.replicate, world // parallel.replicate),
-                                        mesh_dim_names=("dp_replicate", "dp_shard"))
+                mesh = _stage_mesh(pp, (parallel.replicate, stage // parallel.replicate), ("dp_replicate", "dp_shard"))
                 self.dense = (mesh, (Replicate(), Shard(0)))
             else:
-                self.dense = (init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",)), (Shard(0),))
+                self.dense = (_stage_mesh(pp, (stage,), ("dp_shard",)), (Shard(0),))
         if strategy in ("ep", "ep_fsdp"):
-            ep, edp = parallel.ep_size, world // parallel.ep_size
+            ep, edp = parallel.ep_size, stage // parallel.ep_size
             if edp == 1:
-                self.experts = (init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)), (Shard(0),))
+                self.experts = (_stage_mesh(pp, (ep,), ("ep",)), (Shard(0),))
             else:  # expert_parallel.expert_mesh: rows are the EP groups of parallel.expert_parallel_groups
-                self.experts = (init_device_mesh("cpu", (edp, ep), mesh_dim_names=("edp", "ep")),
-                                (Replicate(), Shard(0)))
+                self.experts = (_stage_mesh(pp, (edp, ep), ("edp", "ep")), (Replicate(), Shard(0)))
         else:
             self.experts = self.dense
+        if pp > 1:
+            self.plain = (_stage_mesh(pp, (stage,), ("stage_peers",)), (Replicate(),))
         self.strategy = strategy
 
     def of(self, key: str, meta: MetaModel) -> tuple[Any, tuple] | None:
         if key in meta.experts:
             return self.experts
         if key in meta.buffers or self.strategy == "ep":
-            return None
+            return self.plain
         return self.dense
+
+
+def _pp_size(parallel: Any) -> int:
+    return int(getattr(parallel, "pp_size", 1) or 1)
+
+
+def _stage_mesh(pp: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A mesh over one stage's ranks (``shape``, ``names``): the world's mesh without pipeline
+    stages; else this rank's stage's block of ranks, as the sub-mesh of a mesh with "pp"
+    outermost would be (the same ranks, coordinates and groups), without opening the groups of
+    the other stages and of the "pp" dim, which no tensor is placed on (at 1,024 ranks, most of
+    the simulation's time)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if pp == 1:
+        return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    size = math.prod(shape)
+    first = dist.get_rank() // size * size
+    return DeviceMesh("cpu", torch.arange(first, first + size).view(shape), mesh_dim_names=names)
 
 
 def _rank_state_dict(tensors: Mapping[str, torch.Tensor], meta: MetaModel, layout: _Layout) -> dict[str, torch.Tensor]:
@@ -213,7 +255,8 @@ def _rank_state_dict(tensors: Mapping[str, torch.Tensor], meta: MetaModel, layou
 
 
 def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
-    """The layout fits the world and the model, as ``recipe/checks.py`` and ``shard_model`` require."""
+    """The layout fits the world and the model, as ``recipe/checks.py`` and ``shard_model`` require
+    (under pipeline stages, the strategy's sizes divide the ranks of a stage)."""
     from nemo_moe_export.layout import get_ep_expert_range
     from nemo_moe_export.parallel import expert_parallel_groups
     from nemo_moe_export.recipe.trainer import STRATEGIES
@@ -224,11 +267,17 @@ def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
     if parallel.strategy not in STRATEGIES:
         raise ExportInputError("unknown parallel strategy", key="parallel.strategy", expected=STRATEGIES,
                                actual=repr(parallel.strategy))
-    if parallel.strategy == "hsdp" and (parallel.replicate < 1 or world % parallel.replicate):
+    pp = _pp_size(parallel)
+    if pp < 1 or world % pp:
+        raise ExportInputError("the pipeline size must divide the world", key="parallel.pp_size",
+                               expected=f"a divisor of {world}", actual=pp)
+    stage = world // pp
+    if parallel.strategy == "hsdp" and (parallel.replicate < 1 or stage % parallel.replicate):
         raise ExportInputError("HSDP replicas must divide the world", key="parallel.replicate",
-                               expected=f"a divisor of {world}", actual=parallel.replicate)
+                               expected=f"a divisor of {stage}" + (" (the ranks of a stage)" if pp > 1 else ""),
+                               actual=parallel.replicate)
     if parallel.strategy in ("ep", "ep_fsdp"):
-        expert_parallel_groups(world, parallel.ep_size)
+        expert_parallel_groups(stage, parallel.ep_size)
         get_ep_expert_range(meta.adapter.num_experts, parallel.ep_size, 0)
 
 
@@ -237,9 +286,11 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
     """Simulate the export on every rank of ``world``; ``device`` is where the model's shards live
     (``cuda``: every byte goes through the pinned staging buffers). ``record_runs`` keeps every
     rank's byte runs (``RankPlan.byte_runs``: what ``benchmarks/plan_bench.py`` writes to measure
-    the disk the way the export writes)."""
+    the disk the way the export writes). With ``parallel.pp_size`` > 1 each rank holds only its
+    stages' tensors (``pipeline.py``)."""
     started = time.perf_counter()
     check_layout(parallel, world, meta)
+    pipeline = pipeline_of(parallel, meta)
     plan, expansion, plan_seconds = _plan_and_expansion(meta, options)
     owners = assign_file_owners(plan, list(range(world)))  # SharedFilesystemWriter: every rank writes
     ranks, digests = [], []
@@ -249,14 +300,20 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
     replicated_names = sorted(replicated)  # by key: rank-independent
     replicated_s *= len(meta.state_dict) / max(1, len(meta.simulated))
     total_counts = torch.zeros(len(plan.tensors), dtype=torch.int64)
-    tiling = _Tiling(plan, expansion)
-    simulated = meta.simulated
+    tiling = _Tiling(plan, expansion, 1 if pipeline is None else pipeline.pp_size)
+    per_stage = world // _pp_size(parallel)
+    holders = None if pipeline is None else [pipeline.pp_rank_of(k) for k in plan.tensors]
+    held: dict[int, _Held] = {}
     with fake_world() as become:
         for rank in range(world):
             become(rank, world)
-            state_dict = _rank_state_dict(simulated, meta, _Layout(parallel, world))
-            result, counts = _simulate_rank(rank, world, state_dict, meta, plan, expansion, options, device, tiling,
-                                            replicated_names, record_runs)
+            pp_rank = rank // per_stage
+            if pp_rank not in held:
+                held[pp_rank] = _Held(meta, expansion, pipeline, pp_rank, holders)
+                tiling.expect(held[pp_rank])
+            state_dict = _rank_state_dict(held[pp_rank].tensors, meta, _Layout(parallel, world))
+            result, counts = _simulate_rank(rank, world, state_dict, meta, plan, held[pp_rank], options, device,
+                                            tiling, replicated_names, record_runs)
             digests.append(_digest_of(state_dict, digest, meta))
             total_counts += counts
             ranks.append(result)
@@ -271,7 +328,99 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
                       stamp_seconds=stamp_s, replicated_seconds=round(replicated_s, 4),
                       state_dict_seconds=round(state_dict_s, 4), index_seconds=index_s,
                       verify_seconds=verify_s,
-                      layer_groups=dict(meta.members))
+                      layer_groups=dict(meta.members),
+                      stages=None if pipeline is None else _stage_work(meta, plan, pipeline, options, held))
+
+
+def _stage_work(meta: MetaModel, plan: ExportPlan, pipeline: Pipeline, options: ExportOptions,
+                held: Mapping[int, "_Held"]) -> StageWork:
+    """What the export does across the stages beyond a plain export, and the share of the model's
+    tensors the fullest pipeline rank holds (its state dict and replica names scale with it)."""
+    catalogue_s, catalogue_bytes, declared_s = _catalogue_seconds(meta, pipeline, options)
+    fraction = max(h.tensor_count for h in held.values()) / max(1, len(meta.state_dict))
+    return StageWork(pipeline, catalogue_seconds=catalogue_s, catalogue_bytes=catalogue_bytes,
+                     declared_seconds=declared_s, held_fraction=round(fraction, 4))
+
+
+def _catalogue_seconds(meta: MetaModel, pipeline: Pipeline, options: ExportOptions) -> tuple[float, int, float]:
+    """Seconds of the export's own code for the catalogues, on this model (cached per options):
+
+    * a rank's share of ``stages.merge_catalogues``: its stages' catalogue pickled, every pipeline
+      rank's unpickled (``all_gather_object``) and merged key by key (``stages._add_stage_key``);
+    * the largest pickled catalogue (``all_gather_object`` pads every rank's to it);
+    * rank 0's ``stages.check_declared`` (transformers' model for the config on the meta device),
+      with its per-process cache cleared, as the export's first call finds it.
+    """
+    key = ("catalogues", repr(options), pipeline)
+    if key not in meta.plans:
+        meta.plans[key] = _time_catalogues(meta, pipeline, options)
+    return meta.plans[key]
+
+
+def _time_catalogues(meta: MetaModel, pipeline: Pipeline, options: ExportOptions) -> tuple[float, int, float]:
+    import pickle
+
+    from nemo_moe_export.export import stages
+    from nemo_moe_export.parallel import RankGroup
+
+    whole = export_catalogue(meta.adapter, meta.state_dict, options, model=meta.model, config=meta.config)
+    parts = []
+    for pp_rank in range(pipeline.pp_size):
+        mine = {k: m for k, m in whole.metadata.items() if pipeline.pp_rank_of(k) == pp_rank}
+        parts.append(stages.catalogue_of(mine, whole.float32 & set(mine), whole.exact, pp_rank))
+    pickled = [_timed(pickle.dumps, stages._portable(c)) for c in parts]
+    group = RankGroup(0, pipeline.pp_size, tuple(range(pipeline.pp_size)))
+    with cyclic_gc_paused():
+        started = time.perf_counter()
+        metadata: dict = {}
+        holder: dict = {}
+        for pp_rank, (blob, _) in enumerate(pickled):
+            entries = pickle.loads(blob)[0]
+            for k, (shape, dtype) in entries.items():
+                stages._add_stage_key(metadata, holder, k, stages.TensorMeta(tuple(shape), dtype), pp_rank, group,
+                                      False)
+        merge_s = time.perf_counter() - started
+    stages._declared.cache_clear()
+    _, declared_s = _timed(stages.check_declared, whole, meta.adapter, RankGroup(0, 1, (0,)))
+    return (round(max(s for _, s in pickled) + merge_s, 4), max(len(b) for b, _ in pickled), round(declared_s, 4))
+
+
+class _Held:
+    """What one pipeline rank holds, at the layer-group level: the simulated (representative)
+    tensors it lays out, and for each representative HF key the plan positions of the member keys
+    it holds (every member without pipeline stages)."""
+
+    def __init__(self, meta: MetaModel, expansion: "_Expansion", pipeline: Pipeline | None, pp_rank: int,
+                 holders: list[int] | None = None) -> None:
+        self.pp_rank, self.pipeline = pp_rank, pipeline
+        if pipeline is None:
+            self.tensors, self.members, self.mask = meta.simulated, expansion.members, None
+            self.layers = None
+            self.scale = expansion.scale
+            self.tensor_count = len(meta.state_dict)
+            return
+        self.layers = {layer for s in pipeline.stages_of(pp_rank) for layer in pipeline.layers[s]}
+        flags = [holder == pp_rank for holder in holders]  # holders: the pipeline rank of each plan position
+        self.mask = torch.tensor(flags, dtype=torch.int64)
+        held = {k: [p for p in ps if flags[p]] for k, ps in expansion.members.items()}
+        self.members = {k: ps for k, ps in held.items() if ps}
+        self.tensors = {k: t for k, t in meta.simulated.items() if self.count(k, meta)}
+        self.tensor_count = sum(self.count(k, meta) for k in self.tensors)
+        self.scale = self.tensor_count / max(1, len(self.tensors))
+
+    def count(self, name: str, meta: MetaModel) -> int:
+        """How many in-memory tensors the simulated tensor ``name`` stands for on this rank."""
+        layers = meta.multiplicity(name)
+        if self.pipeline is None:
+            return len(layers or (0,))
+        if layers is None:
+            return int(self.pipeline.pp_rank_of(name) == self.pp_rank)
+        return sum(1 for layer in layers if layer in self.layers)
+
+    def counts(self, rep_counts: torch.Tensor, expansion: "_Expansion") -> torch.Tensor:
+        """Element counts of every plan key from the representative keys' (the keys it holds only)."""
+        counts = rep_counts[expansion.rep_slot]
+        return counts if self.mask is None else counts * self.mask
 
 
 def _metadata_seconds(meta: MetaModel, plan: ExportPlan, options: ExportOptions) -> tuple[float, float, float]:
@@ -357,24 +506,25 @@ class _Expansion:
 
 
 def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], meta: MetaModel, plan: ExportPlan,
-                   expansion: _Expansion, options: ExportOptions, device: str, tiling: "_Tiling",
+                   held: _Held, options: ExportOptions, device: str, tiling: "_Tiling",
                    replicated_names: list[str], record_runs: bool = False) -> tuple[RankPlan, torch.Tensor]:
     """The export's per-rank code on one simulated rank."""
     out = RankPlan(rank, byte_runs=[] if record_runs else None)
+    expansion = tiling.expansion
     shares, seconds = _timed(rank_write_shares, meta.adapter, state_dict, (rank, world))
-    out.share_seconds = seconds * expansion.scale
+    out.share_seconds = seconds * held.scale
     # element_counts over the representative keys (a sub-plan of the same tensors), then every
     # member layer's key counts as its representative's
     rep_counts, seconds = _timed(element_counts, expansion.rep_plan, shares)
-    out.local_seconds = seconds * expansion.scale
-    counts = rep_counts[expansion.rep_slot]
+    out.local_seconds = seconds * held.scale
+    counts = held.counts(rep_counts, expansion)
     files: set[str] = set()
     for share in shares:
         planned = plan.tensors[share.key]
-        n = expansion.count(share.key)
-        positions = expansion.members[share.key]
+        positions = held.members[share.key]
+        n = len(positions)
         files.update(expansion.file_of[p] for p in positions)
-        tiling.add(share)
+        tiling.add(share, held.pp_rank)
         for offset, source in byte_runs(share, planned):
             nbytes = source.numel() * planned.element_size
             out.runs += n
@@ -392,25 +542,27 @@ def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], m
     out.files_written = len(files)
     # writer._Pipeline: at most writer_threads + 1 buffers, allocated on first use
     out.staging_peak_bytes = min(options.writer_threads + 1, out.staged_chunks) * options.staging_bytes
-    _add_replica_work(out, {name: state_dict[name] for name in replicated_names}, meta, world, expansion.scale)
+    mine = {name: state_dict[name] for name in replicated_names if name in state_dict}
+    _add_replica_work(out, mine, meta, world, held)
     return out, counts
 
 
 def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: MetaModel, world: int,
-                      scale: float) -> None:
+                      held: _Held) -> None:
     """What the replica check (replicas.py) compares on this rank (``replicated``: the tensors
-    ``step.replicated_tensors`` names), and what it all-reduces."""
+    ``step.replicated_tensors`` names, those of its stages), and what it all-reduces."""
     from torch.distributed.tensor import DTensor
 
     sets, seconds = _timed(replica_sets, replicated, _Coordinator(out.rank, world))
-    out.local_seconds += seconds * scale
+    out.local_seconds += seconds * held.scale
+    held_count = {name: held.count(name, meta) for name in replicated}
     for entry in sets:
-        tensors = sum(len(meta.multiplicity(n) or (0,)) for n in entry.names)
+        tensors = sum(held_count[n] for n in entry.names)
         local_bytes = 0
         for name in entry.names:
             t = replicated[name]
             local = t.to_local() if isinstance(t, DTensor) else t
-            local_bytes += len(meta.multiplicity(name) or (0,)) * local.numel() * local.element_size()
+            local_bytes += held_count[name] * local.numel() * local.element_size()
         ring = 2 * (len(entry.ranks) - 1) / len(entry.ranks)  # bytes a ring all-reduce sends per byte
         out.replica_groups += 1
         out.replica_group_sizes.append(len(entry.ranks))
@@ -450,16 +602,24 @@ def _covered(plan: ExportPlan, counts: torch.Tensor) -> bool:
 
 class _Tiling:
     """An exact check beyond the counts: along dim 0, the boxes of every written key tile it with
-    no gap and no overlap (done when every box spans the key's other dims whole)."""
+    no gap and no overlap (done when every box spans the key's other dims whole). Under pipeline
+    stages a representative key stands for different member layers on each pipeline rank, so its
+    boxes are tiled per pipeline rank (slot ``position * pp_size + pp_rank``); that every member
+    key is held by exactly one stage is what the coverage counts check."""
 
-    def __init__(self, plan: ExportPlan, expansion: _Expansion) -> None:
-        self.plan, self.expansion = plan, expansion
+    def __init__(self, plan: ExportPlan, expansion: _Expansion, pp_size: int = 1) -> None:
+        self.plan, self.expansion, self.pp_size = plan, expansion, pp_size
         self.keys: list[int] = []
         self.starts: list[int] = []
         self.stops: list[int] = []
+        self.expected: set[int] = set()
         self.one_dim = True
 
-    def add(self, share: Any) -> None:
+    def expect(self, held: _Held) -> None:
+        """The representative keys pipeline rank ``held.pp_rank`` must tile."""
+        self.expected.update(self.expansion.position[k] * self.pp_size + held.pp_rank for k in held.members)
+
+    def add(self, share: Any, pp_rank: int = 0) -> None:
         shape, gshape = tuple(share.tensor.shape), share.global_shape
         if not gshape:
             start, stop = 0, 1
@@ -468,7 +628,7 @@ class _Tiling:
                 self.one_dim = False
                 return
             start, stop = share.offsets[0], share.offsets[0] + shape[0]
-        self.keys.append(self.expansion.position[share.key])
+        self.keys.append(self.expansion.position[share.key] * self.pp_size + pp_rank)
         self.starts.append(start)
         self.stops.append(stop)
 
@@ -480,7 +640,8 @@ class _Tiling:
         keys, starts, stops = keys[order], starts[order], stops[order]
         names = list(self.plan.tensors)
         rows = torch.tensor([(self.plan.tensors[n].shape or (1,))[0] for n in names], dtype=torch.int64)
-        expected = sorted(set(self.expansion.position[k] for k in self.expansion.members))
+        rows = rows.repeat_interleave(self.pp_size)  # by slot
+        expected = sorted(self.expected)
         first = torch.ones_like(keys, dtype=torch.bool)
         first[1:] = keys[1:] != keys[:-1]
         last = torch.ones_like(keys, dtype=torch.bool)

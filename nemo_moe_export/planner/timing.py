@@ -28,6 +28,18 @@ Assumptions:
   validate, the coverage all-reduce (8 bytes per tensor, also sent at ``network_bandwidth``),
   and per replica group of the rank two vector all-reduces (header, checksums), then one
   one-word all-reduce over the export group (how many findings).
+* **Pipeline stages** (``export/stages.py``, ``step._lay_out_stages``) add, once per export: the
+  stage peers' gloo group (``dist.new_group`` over the ``S = W / pp_size`` ranks of the stage,
+  opened by them alone: ``(S - 1) x group_connect_s``); a one-word all-gather over the export
+  group (every rank's pipeline rank: ``W - 1`` hops at an agreement's hop); the catalogue merge, an object all-gather over the pipeline
+  group (``gather_hops(pp_size)`` hops, the largest pickled catalogue times ``pp_size - 1`` at
+  ``network_bandwidth``, and the pickling and merging, timed by the planner with the export's
+  own representation and merge, crowded like validate's work); and the "validate stages"
+  agreement, which waits for rank 0's ``check_declared`` (transformers' model for the config on
+  the meta device, timed by the planner with its cache cleared) and is noticed late as the
+  bookkeeping steps are. A rank's state dict and replica names scale with the share of the
+  model its stages hold (the fullest pipeline rank's). Per pipeline rank the report gives the
+  seconds its ranks alone take to write their bytes; the write step is the busiest node's.
 * **A coordination group per export.** ``parallel.Coordinator`` opens a gloo group of its own for
   every export (its collectives honour the export's timeout), before the validate step: every
   rank connects to each of the others, ``(W - 1) x group_connect_s``, measured by
@@ -63,7 +75,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "OBJECT_GATHERS", "TimeModel",
+__all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "OBJECT_GATHERS", "STAGE_AGREEMENTS",
+           "STAGE_WORD_GATHERS", "TimeModel",
            "all_reduce_hops", "collectives", "gather_hops", "poll_lateness", "predict"]
 
 # Coordinator.agree calls (export/step.py): the end of validate, of the replica check ("validate
@@ -72,6 +85,11 @@ AGREEMENTS = 7
 VALIDATE_AGREEMENTS = 2  # of those, the ones inside the validate step
 # Coordinator.all_gather calls in validate: require_same of the plan digests, the job's export id.
 OBJECT_GATHERS = 2
+# Under pipeline stages (export/stages.py, step._lay_out_stages), over the export group: the
+# "validate stages" agreement, and the all-gather of every rank's pipeline rank (one int64 each:
+# the stage peers).
+STAGE_AGREEMENTS = 1
+STAGE_WORD_GATHERS = 1
 # Rank 0's small-file operations besides the headers (export/target.py), by step: the lock and the
 # partial directory; the index, config.json and generation_config.json; the sealing fsync of the
 # directory; the publish rename and its parent's fsync.
@@ -146,14 +164,29 @@ class TimeModel:
 
 def collectives(simulation, rank: int) -> list[tuple[str, int]]:
     """The collectives the export makes on ``rank``, as ``(kind, group size)``: kind is
-    ``agreement`` (a one-word all-reduce, ``Coordinator.agree``), ``word_all_reduce`` (the replica
-    check's count of findings), ``vector_all_reduce`` (the coverage counts; a replica group's
-    header and checksums) or ``object_gather`` (``Coordinator.all_gather``); none when alone."""
+    ``group_setup`` (a gloo group opened: the Coordinator's; under pipeline stages also the stage
+    peers'), ``agreement`` (a one-word all-reduce, ``Coordinator.agree``), ``word_all_reduce`` (the
+    replica check's count of findings), ``vector_all_reduce`` (the coverage counts; a replica
+    group's header and checksums) or ``object_gather`` (``Coordinator.all_gather``; under pipeline
+    stages also the catalogue merge's over the pipeline group); none when alone."""
     world = simulation.world_size
     if world == 1:
         return []
-    return ([("agreement", world)] * AGREEMENTS + [("object_gather", world)] * OBJECT_GATHERS
-            + [("vector_all_reduce", world)] + _replica_collectives(simulation, rank))
+    return ([("group_setup", world)] + [("agreement", world)] * AGREEMENTS + [("object_gather", world)] * OBJECT_GATHERS
+            + _stage_collectives(simulation) + [("vector_all_reduce", world)] + _replica_collectives(simulation, rank))
+
+
+def _stage_collectives(simulation) -> list[tuple[str, int]]:
+    """Under pipeline stages (``export/stages.py``): the "validate stages" agreement, the
+    all-gather of the pipeline ranks (``word_all_gather``: one int64 per rank), the stage peers'
+    gloo group (``_peer_group``, opened by its ``S`` members only) and the catalogue merge, an
+    object all-gather over the pipeline group."""
+    work = getattr(simulation, "stages", None)
+    if work is None:
+        return []
+    world, pp = simulation.world_size, work.pipeline.pp_size
+    return ([("agreement", world)] * STAGE_AGREEMENTS + [("word_all_gather", world)] * STAGE_WORD_GATHERS
+            + [("group_setup", world // pp), ("object_gather", pp)])
 
 
 def _replica_collectives(simulation, rank: int) -> list[tuple[str, int]]:
@@ -169,6 +202,8 @@ def _replica_collectives(simulation, rank: int) -> list[tuple[str, int]]:
 def _collective_seconds(kind: str, group: int, model: TimeModel) -> float:
     if kind == "object_gather":
         return gather_hops(group) * model.gather_hop_s
+    if kind == "word_all_gather":  # one ring all-gather of a word: half an agreement's hops
+        return (group - 1) * model.collective_latency_s
     hop = model.vector_hop_s if kind == "vector_all_reduce" else model.collective_latency_s
     return all_reduce_hops(group) * hop
 
@@ -179,10 +214,7 @@ def predict(simulation, model: TimeModel) -> dict:
     world = simulation.world_size
     crowding = model.crowding
     word_s = _collective_seconds("agreement", world, model)  # one agreement
-    nodes: dict[int, int] = {}
-    for r in simulation.ranks:
-        nodes[r.rank // model.ranks_per_node] = nodes.get(r.rank // model.ranks_per_node, 0) + r.bytes
-    write_s = max(nodes.values()) / model.node_bandwidth
+    write_s, nodes = _write_seconds(simulation.ranks, model)
     # the replica check: checksums, each replica group's two all-reduces, the findings count
     check_s = max(crowding * r.replica_bytes_checked / model.checksum_bandwidth
                   + sum(_collective_seconds(kind, g, model) for kind, g in _replica_collectives(simulation, r.rank))
@@ -191,10 +223,12 @@ def predict(simulation, model: TimeModel) -> dict:
                   + _collective_seconds("vector_all_reduce", world, model) if world > 1 else 0.0)
     gathers_s = OBJECT_GATHERS * _collective_seconds("object_gather", world, model)
     agree_s = AGREEMENTS * word_s
+    stages = _stage_seconds(simulation, model, word_s)
     # every rank runs the same code: the median simulated rank's time (a max would pick up noise)
     local = sorted(r.share_seconds + r.local_seconds for r in simulation.ranks)
-    validate_s = crowding * (simulation.state_dict_seconds + simulation.plan_seconds + simulation.replicated_seconds
-                             + simulation.stamp_seconds + local[len(local) // 2])
+    held = simulation.stages.held_fraction if simulation.stages is not None else 1.0
+    validate_s = crowding * (held * (simulation.state_dict_seconds + simulation.replicated_seconds)
+                             + simulation.plan_seconds + simulation.stamp_seconds + local[len(local) // 2])
     setup_s = (world - 1) * model.group_connect_s
     # rank 0's work in the bookkeeping steps, which the other ranks wait for at the agreement
     owned = max(r.files_owned for r in simulation.ranks)
@@ -203,14 +237,65 @@ def predict(simulation, model: TimeModel) -> dict:
     solo["verify"] += simulation.verify_seconds
     files_s = sum(solo.values())
     late_s = sum(poll_lateness(t + word_s) for t in solo.values()) if world > 1 else 0.0
-    total = setup_s + write_s + check_s + coverage_s + gathers_s + agree_s + validate_s + files_s + late_s
-    steps = dict(validate=validate_s + check_s + coverage_s + gathers_s + VALIDATE_AGREEMENTS * word_s,
+    total = (setup_s + write_s + check_s + coverage_s + gathers_s + agree_s + validate_s + files_s + late_s
+             + sum(stages.values()))
+    steps = dict(validate=validate_s + check_s + coverage_s + gathers_s + VALIDATE_AGREEMENTS * word_s
+                 + sum(stages.values()),
                  write=write_s + word_s,
                  **{step: t + word_s + (poll_lateness(t + word_s) if world > 1 else 0.0) for step, t in solo.items()})
-    return dict(seconds=round(total, 4), coordinator_setup_s=round(setup_s, 4), write_s=round(write_s, 4),
-                replica_check_s=round(check_s, 4), coverage_s=round(coverage_s, 4),
-                object_gathers_s=round(gathers_s, 4), agreements_s=round(agree_s, 4),
-                validate_compute_s=round(validate_s, 4), files_and_metadata_s=round(files_s, 4),
-                agreement_polling_s=round(late_s, 4),
-                steps={k: round(v, 4) for k, v in steps.items()}, crowding=round(crowding, 3), nodes=len(nodes),
-                busiest_node_bytes=max(nodes.values()), assumptions=asdict(model))
+    out = dict(seconds=round(total, 4), coordinator_setup_s=round(setup_s, 4), write_s=round(write_s, 4),
+               replica_check_s=round(check_s, 4), coverage_s=round(coverage_s, 4),
+               object_gathers_s=round(gathers_s, 4), agreements_s=round(agree_s, 4),
+               validate_compute_s=round(validate_s, 4), files_and_metadata_s=round(files_s, 4),
+               agreement_polling_s=round(late_s, 4),
+               steps={k: round(v, 4) for k, v in steps.items()}, crowding=round(crowding, 3), nodes=len(nodes),
+               busiest_node_bytes=max(nodes.values()), assumptions=asdict(model))
+    if simulation.stages is not None:
+        out["pipeline"] = dict({k: round(v, 4) for k, v in stages.items()},
+                               by_pipeline_rank=_pipeline_rank_seconds(simulation, model))
+    return out
+
+
+def _write_seconds(ranks, model: TimeModel) -> tuple[float, dict[int, int]]:
+    """The write step: the busiest node's bytes at the node's bandwidth; and bytes by node."""
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r.rank // model.ranks_per_node] = nodes.get(r.rank // model.ranks_per_node, 0) + r.bytes
+    return max(nodes.values()) / model.node_bandwidth, nodes
+
+
+def _stage_seconds(simulation, model: TimeModel, word_s: float) -> dict[str, float]:
+    """The export's work for pipeline stages (``step._lay_out_stages``), none without them: the stage
+    peers' group opened (``S - 1`` peer connections, as the Coordinator's), the gather of the
+    pipeline ranks over the export group, the catalogue merge (an object all-gather over the
+    pipeline group: its hops, the padded catalogues at the network bandwidth, the pickling and
+    merging on every rank, crowded like validate's work), and the "validate stages" agreement,
+    which waits for rank 0's ``check_declared`` (and notices it late, as the bookkeeping steps)."""
+    work = simulation.stages
+    if work is None or simulation.world_size == 1:
+        return {}
+    world, pp = simulation.world_size, work.pipeline.pp_size
+    rank0_s = work.declared_seconds + word_s
+    return dict(
+        stage_group_setup_s=(world // pp - 1) * model.group_connect_s,
+        pipeline_ranks_gather_s=STAGE_WORD_GATHERS * _collective_seconds("word_all_gather", world, model),
+        catalogue_merge_s=(_collective_seconds("object_gather", pp, model)
+                           + (pp - 1) * work.catalogue_bytes / model.network_bandwidth
+                           + model.crowding * work.catalogue_seconds),
+        validate_stages_s=STAGE_AGREEMENTS * rank0_s + poll_lateness(rank0_s),
+    )
+
+
+def _pipeline_rank_seconds(simulation, model: TimeModel) -> list[dict]:
+    """Per pipeline rank: its ranks' bytes and the seconds they alone take to write them (their
+    busiest node's bytes at the node's bandwidth; the write step lasts as long as the slowest)."""
+    work = simulation.stages
+    by_pp: dict[int, list] = {}
+    for r in simulation.ranks:
+        by_pp.setdefault(work.pp_rank(r.rank, simulation.world_size), []).append(r)
+    out = []
+    for pp_rank, ranks in sorted(by_pp.items()):
+        write_s, _ = _write_seconds(ranks, model)
+        out.append(dict(pp_rank=pp_rank, bytes=sum(r.bytes for r in ranks), max_rank_bytes=max(r.bytes for r in ranks),
+                        write_s=round(write_s, 4)))
+    return out

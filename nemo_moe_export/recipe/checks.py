@@ -38,6 +38,7 @@ def check_config(cfg: Any, world_size: int | None = None) -> list[str]:
     check_parallel(cfg.parallel, cfg.model, world_size)
     _check_model(cfg.model)
     _check_trainer(cfg.trainer, stages)
+    _check_microbatches(cfg.parallel, cfg.trainer, stages)
     _check_data(cfg, stages)
     if cfg.export.from_checkpoint:
         check_training_checkpoint(cfg.export.from_checkpoint, cfg.model)
@@ -106,18 +107,21 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
     _positive("parallel.timeout_s", parallel.timeout_s, number=True)
     _positive("parallel.ep_size", parallel.ep_size)
     _positive("parallel.replicate", parallel.replicate)
+    _positive("parallel.pp_size", parallel.pp_size)
+    _positive("parallel.stages_per_rank", parallel.stages_per_rank)
     if world_size is None:
         return  # one process: nothing is sharded (trainer.shard_model)
-    if parallel.strategy == "hsdp" and world_size % parallel.replicate:
+    stage_ranks = _check_pipeline(parallel, model, world_size)
+    if parallel.strategy == "hsdp" and stage_ranks % parallel.replicate:
         raise ExportInputError(
-            "HSDP replicas must divide the ranks", key="parallel.replicate",
-            expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=parallel.replicate)
+            "HSDP replicas must divide the ranks" + _of_a_stage(parallel), key="parallel.replicate",
+            expected=f"a divisor of the {stage_ranks} ranks: {_divisors(stage_ranks)}", actual=parallel.replicate)
     if parallel.strategy in ("ep", "ep_fsdp"):
         ep = parallel.ep_size
-        if world_size % ep:
+        if stage_ranks % ep:
             raise ExportInputError(
-                "the expert-parallel size must divide the ranks", key="parallel.ep_size",
-                expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=ep,
+                "the expert-parallel size must divide the ranks" + _of_a_stage(parallel), key="parallel.ep_size",
+                expected=f"a divisor of the {stage_ranks} ranks: {_divisors(stage_ranks)}", actual=ep,
                 hint="change parallel.ep_size or the number of ranks (--nproc)")
         if model.n_experts % ep:
             fits = [d for d in _divisors(world_size) if model.n_experts % d == 0]
@@ -125,6 +129,39 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
                 "the expert count must divide by the expert-parallel size", key="parallel.ep_size",
                 expected=f"a divisor of model.n_experts={model.n_experts} and of {world_size} ranks: {fits}",
                 actual=ep, hint=f"or make model.n_experts a multiple of {ep}")
+
+
+def _of_a_stage(parallel: Any) -> str:
+    return f" of a pipeline stage (the world / parallel.pp_size={parallel.pp_size})" if parallel.pp_size > 1 else ""
+
+
+def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
+    """Pipeline stages fit the ranks and the layers (docs/design.md#pipeline-stages); returns the
+    ranks of one stage (the world without pipeline stages)."""
+    pp = parallel.pp_size
+    if world_size % pp:
+        raise ExportInputError("the pipeline size must divide the ranks", key="parallel.pp_size",
+                               expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=pp)
+    if pp == 1 and parallel.stages_per_rank == 1 and not parallel.layers_per_stage:
+        return world_size
+    if model.backend == "megatron_core":  # one model chunk per rank, megatron's first/last-stage split
+        from nemo_moe_export.megatron.recipe import check_megatron_pipeline
+
+        check_megatron_pipeline(parallel, model)
+    stages = pp * parallel.stages_per_rank
+    split = list(parallel.layers_per_stage or [])
+    if split and (len(split) != stages or sum(split) != model.num_layers or min(split) < 1):
+        raise ExportInputError("parallel.layers_per_stage does not split the decoder layers", key="parallel.layers_per_stage",
+                               expected=f"{stages} counts >= 1 (pp_size x stages_per_rank) summing to "
+                                        f"model.num_layers={model.num_layers}", actual=split)
+    if stages > model.num_layers:
+        raise ExportInputError("more pipeline stages than decoder layers", key="parallel.pp_size",
+                               expected=f"pp_size x stages_per_rank <= model.num_layers={model.num_layers}",
+                               actual=f"{pp} x {parallel.stages_per_rank} = {stages}")
+    if parallel.microbatches < 0:
+        raise ExportInputError("negative microbatch count", key="parallel.microbatches",
+                               expected=">= 0 (0: twice the stages)", actual=parallel.microbatches)
+    return world_size // pp
 
 
 def _check_model(model: Any) -> None:
@@ -153,6 +190,18 @@ def _check_trainer(trainer: Any, stages: list[str]) -> None:
         value = getattr(trainer, name)
         if value < 0:
             raise ExportInputError("must not be negative", key=f"trainer.{name}", expected=">= 0", actual=value)
+
+
+def _check_microbatches(parallel: Any, trainer: Any, stages: list[str]) -> None:
+    """A pipelined training batch splits into equal microbatches (unequal ones would weigh rows
+    unequally in the loss)."""
+    if parallel.pp_size == 1 or "train" not in stages:
+        return
+    microbatches = parallel.microbatches or 2 * parallel.pp_size * parallel.stages_per_rank
+    if trainer.batch_size % microbatches:
+        raise ExportInputError("the training batch must split into equal microbatches", key="trainer.batch_size",
+                               expected=f"a multiple of {microbatches} microbatches (parallel.microbatches, "
+                                        "0: twice the stages)", actual=trainer.batch_size)
 
 
 # --- data and checkpoints --------------------------------------------------------------------------

@@ -83,6 +83,12 @@ def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
 
         return build_recipe_model(model_cfg, parallel_cfg, vocab_size=vocab_size, device=device)
     model = build_model(model_cfg, vocab_size=vocab_size, pad_token_id=pad_token_id, device=device)
+    info = dist_info()
+    if parallel_cfg.pp_size > 1 and info.initialized:
+        from nemo_moe_export.recipe.pipelined import shard_pipelined  # torch.distributed.pipelining: only for PP
+
+        return shard_pipelined(model, parallel_cfg, info.world_size, device=device,
+                               shard_other_dtypes=_shard_other_dtype_modules)
     return shard_model(model, parallel_cfg, device=device)
 
 
@@ -144,8 +150,10 @@ def _shard_other_dtype_modules(model: Any, mesh: Any, ignored_params: set | None
             fully_shard(module, mesh=mesh, ignored_params=ignored_params)
 
 
-def _sync_unsharded_grads(model: Any, layout: ParallelLayout, world: int) -> None:
-    """Average what FSDP2 does not: plain replicated params over the world, EP experts over edp."""
+def _sync_unsharded_grads(model: Any, layout: ParallelLayout) -> None:
+    """Average what FSDP2 does not: plain replicated params over the data-parallel group (the world,
+    or a stage's ranks under pipeline stages), EP experts over edp, both divided by its size."""
+    world = layout.dp.size
     if world == 1:
         return
     for p in model.parameters():
@@ -163,7 +171,7 @@ def _sync_unsharded_grads(model: Any, layout: ParallelLayout, world: int) -> Non
                 dist.all_reduce(p.grad, group=layout.edp.group)
             p.grad.div_(world)
             continue
-        dist.all_reduce(p.grad)
+        dist.all_reduce(p.grad, group=layout.dp.group)
         p.grad.div_(world)
 
 
@@ -189,12 +197,31 @@ def _clip_grad_norm(model: Any, max_norm: float, layout: ParallelLayout | None =
         if layout is not None and layout.ep.size > 1:
             dist.all_reduce(experts, group=layout.ep.group)
         squares.append(experts)
-    total = float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+    total_squares = torch.stack(squares).sum() if squares else torch.zeros(())
+    if layout is not None and layout.pp.size > 1:  # each pipeline rank holds other stages' parameters
+        dist.all_reduce(total_squares, group=layout.pp.group)
+    total = float(total_squares.sqrt())
     if max_norm > 0 and total > max_norm:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(max_norm / (total + 1e-6))
     return total
+
+
+def _answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of each position's next token where ``labels`` name one (the answer letter)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
+
+
+def _forward_backward(model: Any, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The batch's loss, its gradients accumulated: through the model's own pipeline schedule (1F1B,
+    ``model.train_step``) for pipeline stages, else one forward and backward."""
+    train_step = getattr(model, "train_step", None)  # a model split into pipeline stages runs its schedule
+    if train_step is not None:
+        return train_step(ids, labels, _answer_loss, attention_mask=mask)
+    loss = _answer_loss(model(input_ids=ids, attention_mask=mask).logits, labels)
+    loss.backward()
+    return loss
 
 
 def _training_examples(data_root: str, tokenizer: Any, k_shot: int) -> list[list[int]]:
@@ -230,7 +257,8 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     examples = _training_examples(data_root, tokenizer, k_shot)
     if not examples:
         raise ExportInputError("no training questions", key=data_root, expected="train/*_train.csv", actual=0)
-    rng = random.Random(cfg.seed * 7919 + info.rank)  # each rank its own stream of examples
+    # each data-parallel rank its own stream of examples (the stages of one pipeline share theirs)
+    rng = random.Random(cfg.seed * 7919 + layout.dp.rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps))
                                                  * 0.5 * (1 + math.cos(math.pi * min(s, cfg.max_steps) / cfg.max_steps)))
@@ -253,11 +281,9 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
             mask[i, : len(x)] = 1
             labels[i, len(x) - 1] = x[-1]  # the answer letter
         ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        _sync_unsharded_grads(model, layout, info.world_size)
+        loss = _forward_backward(model, ids, mask, labels)
+        _sync_unsharded_grads(model, layout)
         state.grad_norms.append(_clip_grad_norm(model, cfg.grad_clip, layout))
         optimizer.step()
         schedule.step()
