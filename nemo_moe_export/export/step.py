@@ -296,13 +296,14 @@ def _stage_locally(coordinator: Coordinator, output_dir: Any, options: ExportOpt
     extras = extra_pieces(inputs.extra, _plain_replica(coordinator))
     catalogue = export_catalogue(inputs.adapter, inputs.state_dict, options, extras=extras, model=inputs.model,
                                  config=inputs.config, pp_rank=inputs.pp.rank)
-    if inputs.pp.size > 1:  # copies of tied weights on two stages, compared once the catalogues are merged
-        catalogue = replace(catalogue, tied=tied_boxes(inputs.state_dict, tied_pairs(inputs.model, inputs.config)))
-    if inputs.pp.size <= 1:  # under pipeline stages, once the stages' catalogues are merged
-        if inputs.stages and coordinator.rank == 0:  # stage modules without a pipeline group
-            check_declared(catalogue, inputs.adapter, inputs.pp)
-        check_mtp_layers(catalogue.metadata, inputs.config)
-    return _Staged(target, inputs, extras, catalogue)
+    staged = _Staged(target, inputs, extras, catalogue)
+    if staged.pipelined:  # the tied weights' copies, compared (and the checks run) once the catalogues are merged
+        return replace(staged, catalogue=replace(catalogue, tied=tied_boxes(inputs.state_dict,
+                                                                            tied_pairs(inputs.model, inputs.config))))
+    if inputs.stages and coordinator.rank == 0:  # stage modules without a pipeline group
+        check_declared(catalogue, inputs.adapter, inputs.pp)
+    check_mtp_layers(catalogue.metadata, inputs.config)
+    return staged
 
 
 def _lay_out(staged: _Staged, catalogue: Catalogue, options: ExportOptions, coordinator: Coordinator) -> "_LocalPlan":
