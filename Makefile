@@ -8,6 +8,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
+# NeMo AutoModel for tests/test_automodel*.py, in the same environment (README, "NeMo AutoModel"):
+# installed without its dependencies, since it pins transformers==5.18.0 (its models run on our
+# 5.24.0, the tests show it) and a full install pulls triton 3.9, with which it fails to import.
+# What it needs beyond our own dependencies (einops, torchdata) is in the test extra.
+AUTOMODEL ?= nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchao==0.18.0
 
 .PHONY: setup test demo bench clean
 
@@ -21,6 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "setuptools>=77"
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps $(AUTOMODEL)
 	touch $(STAMP)
 
 test: setup

@@ -24,7 +24,9 @@ For each world size, on the same model and layout (docs/design.md#planner):
 
 With ``--pp P`` (``--stages-per-rank``, ``--layers-per-stage``) the job has pipeline stages: each
 rank builds its stages with ``pipeline.stages.split_stages``, shards them inside the stage on
-meshes with "pp" outermost, and exports them with ``pp_group=``.
+meshes with "pp" outermost, and exports them with ``pp_group=``. With ``--tp T`` / ``--cp C``
+(FSDP only) the ranks build the torchtitan layout: mesh ``("dp", "cp", "tp")`` (sizes 1 left
+out), ``recipe.tensor_parallel.parallelize_tp`` over "tp", ``fully_shard`` over "dp".
 
 Prints JSON (and writes it with ``--out``):
 
@@ -228,7 +230,9 @@ def _build_model(args, strategy):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_config(args), dtype=torch.bfloat16)
     parallel = ParallelConfig(**strategy)
-    if parallel.pp_size > 1:
+    if parallel.tp_size * parallel.cp_size > 1:
+        parts, pp_group = [_model_parallel(model, parallel)], None
+    elif parallel.pp_size > 1:
         parts, pp_group = _stage_parts(model, parallel)
     else:
         (model, _), pp_group = shard_model(model, parallel), None
@@ -236,6 +240,26 @@ def _build_model(args, strategy):
     for part in parts:
         _materialise(part)
     return (parts if pp_group is not None else parts[0]), pp_group
+
+
+def _model_parallel(model, parallel):
+    """TP over "tp" (``parallelize_tp``), CP copies over "cp", FSDP2 over "dp", as torchtitan lays them out."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+
+    tp, cp = parallel.tp_size, parallel.cp_size
+    dims = [(n, k) for n, k in (("dp", dist.get_world_size() // (tp * cp)), ("cp", cp), ("tp", tp))
+            if k > 1 or n == "dp"]
+    mesh = init_device_mesh("cpu", tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
+    if tp > 1:
+        parallelize_tp(model, mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
 
 
 def _stage_parts(model, parallel):
@@ -328,6 +352,8 @@ def run_world(args, world: int) -> dict:
     strategy = dict(strategy=args.strategy, replicate=args.replicate, ep_size=args.ep)
     if args.pp > 1:
         strategy.update(pp_size=args.pp, stages_per_rank=args.stages_per_rank, layers_per_stage=args.layers_per_stage)
+    if args.tp > 1 or args.cp > 1:
+        strategy.update(tp_size=args.tp, cp_size=args.cp)
     load_before = os.getloadavg()  # the machine is shared: how busy it was around this world's runs
     meta = build_meta_model(_config(args), torch.bfloat16)
     sim = simulate(meta, ParallelConfig(**strategy), world, ExportOptions(max_shard_size=args.max_shard_size),
@@ -374,6 +400,8 @@ def run_world(args, world: int) -> dict:
         write_io_slowest_rank=max((r["io"][median] for r in per_rank), key=lambda io: io["seconds"]),
         bytes_per_rank_planned=planned_bytes, bytes_per_rank_written=[r["bytes"] for r in per_rank],
         bytes_equal=planned_bytes == [r["bytes"] for r in per_rank],
+        exchanged_bytes_planned=[r.exchanged_bytes for r in sim.ranks],
+        exchanged_bytes_measured=[int(r["io"][median].get("exchanged_bytes", 0)) for r in per_rank],
     )
 
 
@@ -390,6 +418,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages' ranks (the layout inside each stage)")
     parser.add_argument("--stages-per-rank", type=int, default=1, help="virtual stages per pipeline rank")
     parser.add_argument("--layers-per-stage", type=int, nargs="+", help="decoder layers of each stage")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (torch TP x FSDP2)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (weights copied over CP)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--moe-inter", type=int, default=512)
     parser.add_argument("--experts", type=int, default=30)

@@ -231,6 +231,13 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--stages-per-rank", type=_positive_int, help="virtual stages per pipeline rank (loop order)")
     parser.add_argument("--layers-per-stage", type=_layer_counts, metavar="4,4,3,...",
                         help="decoder layers of each stage (default: even, earlier stages taking the remainder)")
+    parser.add_argument("--tp", type=_positive_int, help="tensor-parallel size, innermost: torch TP (column "
+                        "Shard(0), row Shard(1)) inside each stage, then the layout over the rest (fsdp, ep)")
+    parser.add_argument("--etp", type=_positive_int, help="expert tensor-parallel size (1, as in the "
+                        "Megatron-Bridge recipes: routed experts are not split by TP)")
+    parser.add_argument("--cp", type=_positive_int, help="context-parallel size: every weight copied on its CP ranks")
+    parser.add_argument("--sp", action="store_true", default=None,
+                        help="sequence parallelism (with --tp; moves activations only: reported, no byte changes)")
     parser.add_argument("--dtype", help="export dtype (e.g. bfloat16); default: the recipe's, else the model's")
     parser.add_argument("--max-shard-size", help="per file, e.g. 5GB")
     parser.add_argument("--staging-bytes", type=_positive_int, help="per staging buffer")
@@ -274,8 +281,9 @@ def _plan_report(args: Any) -> dict:
         parallel = replace(parallel, replicate=args.replicate)
     if args.ep:
         parallel = replace(parallel, ep_size=args.ep)
-    pipeline = dict(pp_size=args.pp, stages_per_rank=args.stages_per_rank, layers_per_stage=args.layers_per_stage)
-    parallel = replace(parallel, **{k: v for k, v in pipeline.items() if v is not None})
+    sizes = dict(pp_size=args.pp, stages_per_rank=args.stages_per_rank, layers_per_stage=args.layers_per_stage,
+                 tp_size=args.tp, etp_size=args.etp, cp_size=args.cp, sequence_parallel=args.sp)
+    parallel = replace(parallel, **{k: v for k, v in sizes.items() if v is not None})
     overrides = {k: v for k, v in dict(dtype=args.dtype, max_shard_size=args.max_shard_size,
                                        staging_bytes=args.staging_bytes, writer_threads=args.writer_threads).items()
                  if v is not None}

@@ -60,6 +60,12 @@ class ParallelConfig:
     ``layers_per_stage`` splits the decoder layers unevenly (default: as even as possible);
     ``microbatches`` is the schedule's count per batch (0: twice the stages, a bubble of
     ``(stages - 1) / (microbatches + stages - 1)``).
+
+    ``tp_size`` (tensor parallel), ``cp_size`` (context parallel), ``etp_size`` (expert tensor
+    parallel, 1 in every Megatron-Bridge recipe of docs/design.md#planner) and
+    ``sequence_parallel`` (activations only: no weight moves) describe meshes the planner plans
+    (``nemo-moe-export plan --tp --cp --etp --sp``); the recipe runs none of them yet and refuses
+    them (``recipe/checks.py``).
     """
 
     strategy: str = "fsdp"
@@ -69,6 +75,10 @@ class ParallelConfig:
     stages_per_rank: int = 1
     layers_per_stage: Optional[list[int]] = None
     microbatches: int = 0
+    tp_size: int = 1
+    cp_size: int = 1
+    etp_size: int = 1
+    sequence_parallel: bool = False
     timeout_s: float = 300.0
     # auto: one GPU per rank (NCCL) when every local rank has a GPU, else CPU (gloo) | cuda | cpu
     device: str = "auto"

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.parallel import CP_DIM, TP_DIM
 
 __all__ = [
     "LocalBox",
@@ -34,6 +35,7 @@ __all__ = [
     "local_box",
     "local_expert_range",
     "replica_coordinate",
+    "unsplit_model_parallel_dims",
 ]
 
 
@@ -86,7 +88,8 @@ class LocalBox:
 
     ``local`` is the rank's own tensor (never a copy); it spans ``offsets[d] : offsets[d] +
     local.shape[d]`` of every dim ``d`` of a tensor of ``global_shape``. The ranks holding the same
-    box (replicas under HSDP or expert-DP, or plain tensors held by every rank) number
+    box (replicas under HSDP or expert-DP, the TP / CP peers of a weight TP leaves whole, or plain
+    tensors held by every rank) number
     ``replicas``; this rank is holder ``replica`` of them (``0 <= replica < replicas``, the same
     numbering on every holder). ``primary`` is True on holder 0 only, so a writer that writes only
     primaries writes every byte once (docs/design.md#layout-rules).
@@ -146,7 +149,39 @@ def local_box(tensor: torch.Tensor, *, key: str = "?", plain_replica: tuple[int,
             "distribute_tensor/fully_shard or DTensor.from_local(..., shape=, stride=)",
         )
     replica, replicas = replica_coordinate(mesh, placements, coordinate)
+    for root, dim in unsplit_model_parallel_dims(mesh):  # TP / CP copies: the innermost replica digits
+        replica, replicas = replica * root.size(dim) + root.get_coordinate()[dim], replicas * root.size(dim)
     return LocalBox(tuple(tensor.shape), tuple(offsets), local, replica == 0, replica, replicas)
+
+
+REPLICATING_DIMS = (TP_DIM, CP_DIM)
+"""Root-mesh dims whose ranks split one model replica but hold the same copy of every weight they
+do not split (docs/design.md#tensor-and-context-parallelism-torch-tp)."""
+
+
+def unsplit_model_parallel_dims(mesh: Any) -> list[tuple[Any, int]]:
+    """``(root mesh, dim)`` of each tensor-parallel (``"tp"``) or context-parallel (``"cp"``) dim of
+    ``mesh``'s root mesh that ``mesh`` does not span: a DTensor on ``mesh`` is then the same on
+    every rank along that dim (the weights TP leaves whole under TP x FSDP2, every weight under CP),
+    so those ranks are its replicas. Read from the mesh alone (no collective): a dim counts only
+    when none of this rank's peers along it is in ``mesh`` (a mesh that flattens ``"cp"`` into its
+    FSDP dim, as torchtitan's ``dp_shard_cp``, already splits the weights over those ranks)."""
+    root = mesh._get_root_mesh()
+    if root is mesh or not root.mesh_dim_names:
+        return []
+    coordinate = root.get_coordinate()
+    if coordinate is None:
+        return []
+    members = set(mesh.mesh.flatten().tolist())
+    found = []
+    for dim, name in enumerate(root.mesh_dim_names):
+        if name not in REPLICATING_DIMS or root.size(dim) == 1:
+            continue
+        line = root.mesh[tuple(slice(None) if d == dim else c for d, c in enumerate(coordinate))].tolist()
+        me = line[coordinate[dim]]
+        if not members.intersection(r for r in line if r != me):
+            found.append((root, dim))
+    return found
 
 
 def replica_coordinate(mesh: Any, placements: Sequence[Any], coordinate: Sequence[int]) -> tuple[int, int]:

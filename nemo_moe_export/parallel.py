@@ -397,6 +397,10 @@ MODEL_PARALLEL_DIMS = ("tp", "pp", "cp", "etp")
 """Dims that split one model replica; they are in none of the three data groups."""
 PP_DIM = "pp"
 """The pipeline dim: its ranks hold different stages of one replica (``ParallelLayout.pp``)."""
+TP_DIM = "tp"
+"""The tensor-parallel dim: its ranks hold different slices of the same layers (``ParallelLayout.tp``)."""
+CP_DIM = "cp"
+"""The context-parallel dim: its ranks hold the same weights and split each sequence (``ParallelLayout.cp``)."""
 
 
 @dataclass(frozen=True)
@@ -436,6 +440,8 @@ class ParallelLayout:
     group (one rank per pipeline stage position, in stage order; alone without pipeline
     parallelism): its ranks hold different layers of one model replica, so they run every batch
     together and the export gathers the key catalogue over it (docs/design.md#pipeline-stages).
+    ``tp`` (tensor parallel, sequence parallel rides on it) and ``cp`` (context parallel) also
+    split one replica: their ranks take every batch together, and neither is in a data group.
     """
 
     dp: RankGroup
@@ -443,6 +449,12 @@ class ParallelLayout:
     edp: RankGroup
     source: str
     pp: RankGroup = field(default_factory=RankGroup.alone)
+    tp: RankGroup = field(default_factory=RankGroup.alone)
+    cp: RankGroup = field(default_factory=RankGroup.alone)
+
+    def model_parallel_groups(self) -> dict[str, RankGroup]:
+        """The groups that split one replica and have more than one rank, by name."""
+        return {name: g for name, g in (("pp", self.pp), ("tp", self.tp), ("cp", self.cp)) if g.size > 1}
 
 
 def discover_layout(device_mesh: Any = None, *, use_megatron: bool = True) -> ParallelLayout:
@@ -483,6 +495,8 @@ def _megatron_layout() -> ParallelLayout | None:
         edp=RankGroup.of(parallel_state.get_expert_data_parallel_group()),
         source="megatron",
         pp=RankGroup.of(parallel_state.get_pipeline_model_parallel_group()),
+        tp=RankGroup.of(parallel_state.get_tensor_model_parallel_group()),
+        cp=RankGroup.of(parallel_state.get_context_parallel_group()),
     )
 
 
@@ -504,6 +518,8 @@ def _mesh_layout(mesh: Any) -> ParallelLayout:
         edp=_mesh_group(mesh, [n for n in data_dims if n != EP_DIM]),
         source="device_mesh",
         pp=_mesh_group(mesh, [n for n in names if n == PP_DIM]),
+        tp=_mesh_group(mesh, [n for n in names if n == TP_DIM]),
+        cp=_mesh_group(mesh, [n for n in names if n == CP_DIM]),
     )
 
 

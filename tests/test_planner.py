@@ -63,7 +63,9 @@ PARAMETERS = {"deepseek_v3": (670e9, 672e9), "kimi_k2": (1025e9, 1035e9), "qwen3
 LAYOUTS = {"fsdp": lambda w: ParallelConfig(strategy="fsdp"),
            "hsdp": lambda w: ParallelConfig(strategy="hsdp", replicate=8),
            "ep64": lambda w: ParallelConfig(strategy="ep", ep_size=64)}
-WORLDS = (64, 256, 512)
+# One EP64 replica at 64 ranks, eight at 512 (and Kimi K2's 384 experts leaving FSDP ranks empty
+# there); 256 added nothing the two do not cover and was a third of this file's time.
+WORLDS = (64, 512)
 EXPERT = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
@@ -243,6 +245,56 @@ PP_REAL = [("pp_fsdp", dict(strategy="fsdp", pp_size=2), None),
            ("pp_ep_fsdp_uneven", dict(strategy="ep_fsdp", ep_size=2, pp_size=2, layers_per_stage=[1, 3]), None)]
 
 
+# Tensor and context parallelism on 4 ranks, as torchtitan lays them out (tests/test_tensor_parallel.py):
+# TP2 x FSDP2 on ("dp", "tp") (parallelize_tp, then fully_shard over "dp"; bf16, so the exchanged
+# row-parallel rows are staged for the cast), the same for Qwen3-MoE (GQA, per-head q/k norms
+# Replicate over "tp"), and CP2 on ("dp", "cp") (fully_shard over "dp" only).
+MP_REAL = [("tp_fsdp", dict(strategy="fsdp", tp_size=2), "bfloat16"),
+           ("tp_fsdp_qwen3_moe", dict(strategy="fsdp", tp_size=2), None),
+           ("cp_fsdp", dict(strategy="fsdp", cp_size=2), None)]
+
+
+def _family(name):
+    return "qwen3_moe" if name.endswith("qwen3_moe") else "deepseek_v3"
+
+
+def _model_parallel_model(parallel, family):
+    """The tiny model on a 2 x 2 mesh: torch TP over "tp" (``parallelize_tp``) or CP copies over "cp",
+    FSDP2 over "dp"."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+    from nemo_moe_export.tiny_models import tiny_model
+
+    inner = "tp" if parallel.tp_size > 1 else "cp"
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", inner))
+    model = tiny_model(family, **TINY)
+    if inner == "tp":
+        parallelize_tp(model, mesh["tp"])
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def _real_model_parallel_exports(world, workdir):
+    from nemo_moe_export.export import export_hf_checkpoint
+    from nemo_moe_export.export import stages
+
+    out = {}
+    for name, parallel, dtype in MP_REAL:
+        model = _model_parallel_model(ParallelConfig(**parallel), _family(name))
+        stages._PEER_GROUPS.clear()  # the TP peers' group is opened once per job: each is a job's first export
+        with _CollectiveLog() as log:
+            result = export_hf_checkpoint(os.path.join(workdir, f"{name}-{world}"), model, dtype=dtype,
+                                          max_shard_size="40KB")
+        out[name] = dict(bytes=result.rank_bytes_written, owned=result.files_owned, written=result.files_written,
+                         staged=int(result.io["staged_bytes"]), exchanged=int(result.io["exchanged_bytes"]),
+                         checkpoint=result.checkpoint_bytes, files=result.files, collectives=log.calls)
+    return out
+
+
 def _stage_parts(parallel, world):
     """This rank's stage modules, sharded inside the stage as the recipe lays a pipelined job out
     (``recipe/pipelined.py``: "pp" outermost), and the pipeline group."""
@@ -288,8 +340,9 @@ def _real_export_worker(rank, world, workdir):
 
 
 def _real_pipeline_worker(rank, world, workdir):
-    """The pipeline exports on 4 fresh ranks (on 8 ranks: benchmarks/plan_bench.py --pp 2)."""
-    return {world: _real_pipeline_exports(world, workdir)}
+    """The pipeline exports on 4 fresh ranks (on 8 ranks: benchmarks/plan_bench.py --pp 2), then the
+    TP and CP ones."""
+    return {world: {**_real_pipeline_exports(world, workdir), **_real_model_parallel_exports(world, workdir)}}
 
 
 @pytest.fixture(scope="module")
@@ -302,10 +355,11 @@ def real_exports(tmp_path_factory):
     return plain
 
 
-@pytest.mark.timeout(900)  # 8 gloo ranks then 4 (4 exports each), and 4 fresh ones (5 pipeline exports)
+@pytest.mark.timeout(900)  # 8 gloo ranks then 4 (4 exports each), and 4 fresh ones (5 pipeline exports, TP, CP)
 @pytest.mark.parametrize("world", [4, 8])
 def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, world):
-    """Bytes, files and staging per rank, and the collectives the time model counts (docs/design.md#planner)."""
+    """Bytes, files and staging per rank, and the collectives the time model counts (docs/design.md#planner);
+    under TP also the bytes each rank sends its TP peers in the row-parallel exchange."""
     from nemo_moe_export.planner import build_meta_model, simulate
     from nemo_moe_export.planner.model import from_config_file
     from nemo_moe_export.tiny_models import tiny_config
@@ -315,9 +369,10 @@ def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, worl
     meta = build_meta_model(target.config, target.dtype)
     assert meta.members == {0: (0,), 1: (1, 2, 3)}  # the MoE layers are simulated once, counted three times
     real = [per_rank[world] for per_rank in real_exports[:world]]
-    for name, parallel, dtype in REAL + (PP_REAL if world == 4 else []):
-        sim = simulate(meta, ParallelConfig(**parallel), world, ExportOptions(dtype=dtype, max_shard_size="40KB"),
-                       device="cpu")
+    metas = {"deepseek_v3": meta, "qwen3_moe": build_meta_model(tiny_config("qwen3_moe", **TINY), target.dtype)}
+    for name, parallel, dtype in REAL + (PP_REAL + MP_REAL if world == 4 else []):
+        sim = simulate(metas[_family(name)], ParallelConfig(**parallel), world,
+                       ExportOptions(dtype=dtype, max_shard_size="40KB"), device="cpu")
         assert len(sim.plan.files) == real[0][name]["files"] > 4
         assert sim.coverage_ok and sim.tiling_ok, name
         for rank, planned in enumerate(sim.ranks):
@@ -325,9 +380,14 @@ def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, worl
             owned = sorted(f for f, owner in sim.file_owner.items() if owner == rank)
             assert (planned.bytes, planned.files_owned, planned.files_written, planned.staged_bytes) == (
                 got["bytes"], len(got["owned"]), len(got["written"]), got["staged"]), (name, rank)
+            assert planned.exchanged_bytes == got.get("exchanged", 0), (name, rank)
             assert owned == got["owned"]
             assert _collective_kinds(got["collectives"]) == _planned_kinds(sim, rank), (name, rank)
         assert sim.total_bytes == real[0][name]["checkpoint"]
+        if name.startswith("tp_fsdp"):  # o_proj and the dense / shared down_proj are row-parallel: exchanged
+            assert min(r.exchanged_bytes for r in sim.ranks) > 0 and min(r.row_exchanges for r in sim.ranks) > 0
+        if name == "cp_fsdp":  # every weight a copy on the 2 CP ranks: they share its writing
+            assert all(2 in r.replica_group_sizes for r in sim.ranks)
 
 
 def _collective_kinds(calls):
@@ -337,7 +397,7 @@ def _collective_kinds(calls):
     for name, numel, group in calls:
         kind = {"all_reduce": "word" if numel == 1 else "vector", "all_gather_object": "object_gather",
                 "all_gather": "word_all_gather" if numel == 1 else "all_gather",
-                "new_group": "group_setup"}.get(name, name)
+                "new_group": "group_setup", "all_to_all_single": "all_to_all"}.get(name, name)
         kinds.append((kind, group))
     return sorted(kinds)
 
@@ -398,3 +458,35 @@ def test_cli_plans_mmlu_steps_and_rows_per_rank_per_policy(tmp_path, capsys):
     assert len({r["steps"] for r in ranks}) == 1 and {r["shards"] for r in ranks} == {2}
     assert ranks[0]["rows"] == ranks[1]["rows"] and ranks[2]["rows"] == ranks[3]["rows"]
     assert ranks[0]["rows"] + ranks[2]["rows"] == mmlu["rows"]
+
+
+def test_cli_plans_tp_cp_and_sp_meshes(capsys):
+    """``--tp --cp --sp`` with EP and PP (Megatron-Bridge's mesh, 16 ranks): every rank exchanges
+    row-parallel rows with its TP peer, the time model counts it, SP changes no byte; ETP > 1 and SP
+    without TP are refused in one line, and the recipe refuses meshes it does not build."""
+    from nemo_moe_export.cli import main
+    from nemo_moe_export.config import ModelConfig
+    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.recipe.checks import check_parallel
+
+    base = ["plan", "--model-preset", "deepseek_v3_tiny", "--world", "16", "--layout", "ep", "--ep", "2", "--tp", "2",
+            "--cp", "2", "--pp", "2", "--json", "--per-rank"]
+    reports = []
+    for extra in (["--sp"], []):
+        assert main(base + extra) == 0
+        reports.append(json.loads(capsys.readouterr().out))
+    with_sp, without = reports
+    layout = with_sp["layout"]
+    assert (layout["tp_size"], layout["cp_size"], layout["etp_size"], layout["sequence_parallel"]) == (2, 2, 1, True)
+    assert with_sp["checks"]["every_element_one_writer"] and with_sp["checks"]["boxes_tile_exactly"]
+    assert sum(r["bytes"] for r in with_sp["ranks"]) == with_sp["checkpoint"]["bytes"]
+    assert min(r["row_exchanges"] for r in with_sp["ranks"]) > 0
+    assert min(r["exchanged_bytes"] for r in with_sp["ranks"]) > 0
+    assert with_sp["time"]["row_exchange_s"] > 0 and 0 < with_sp["time"]["coordination_share"] < 1
+    assert [r["bytes"] for r in with_sp["ranks"]] == [r["bytes"] for r in without["ranks"]]
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--tp", "2", "--etp", "2"]) == 2
+    assert "expert tensor parallelism is not planned" in capsys.readouterr().err
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--sp"]) == 2
+    assert "sequence parallelism needs tensor parallelism" in capsys.readouterr().err
+    with pytest.raises(ExportInputError, match="parallel.tp_size"):
+        check_parallel(ParallelConfig(tp_size=2), ModelConfig(), 4)

@@ -68,6 +68,11 @@ class KeyRule:
     * ``split_groups`` / ``split_units``: the split dim holds ``split_groups`` (a config field)
       interleaved blocks, each with every target's part in order, parts sized in proportion to
       ``split_units`` (config fields); the default is one block of equal parts.
+    * ``parts``: key suffixes (a named group ``part`` in ``source``) that name one target's piece
+      alone, in target order: such a key is that target, unsplit (megatron-core's GLU factory
+      pieces ``linear_fc1.weight_w`` / ``_v`` are the gate and up rows a TP rank holds).
+    * ``rows_field``: the HF tensor is the first ``config.<rows_field>`` rows of dim 0 (megatron
+      pads its vocabulary; the padding rows are neither written nor loaded).
     """
 
     source: str
@@ -80,6 +85,8 @@ class KeyRule:
     experts_view: tuple[int | str, ...] | None = None
     split_groups: str | None = None
     split_units: tuple[str, ...] | None = None
+    parts: tuple[str, ...] = ()
+    rows_field: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_pattern", re.compile(self.source))
@@ -298,7 +305,7 @@ class StateDictAdapter:
         for rule in self.table.rules:
             m = rule.match(key)
             if m is not None:
-                return rule, m
+                return _one_part(rule, m), m
         return None, None
 
     def _skipped(self, key: str) -> bool:
@@ -399,6 +406,10 @@ class StateDictAdapter:
         if rule.transpose and len(inner) != 2:
             raise ExportInputError("transposed tensor must be 2-D per part", key=key,
                                    expected="2 dims", actual=f"shape {inner}")
+        if rule.rows_field is not None and not 0 < self._config_int(rule.rows_field) <= shape[0]:
+            raise ExportInputError(f"the config's {rule.rows_field} does not fit the tensor's rows", key=key,
+                                   expected=f"1..{shape[0]} (the rows, padding included)",
+                                   actual=self._config_int(rule.rows_field))
 
     def _check_layer_complete(self, group: str, prefix: str, found: dict[str, Any]) -> None:
         """An MoE layer has every tensor of its layout (both gate/up and down)."""
@@ -413,7 +424,8 @@ class StateDictAdapter:
         metas = []
         for source, (key, m, tensor) in found.items():
             rule = next(r for r in self.table.rules if r.source == source)
-            metas.append((rule, next(self._targets(key, rule, m, tuple(tensor.shape)))[1], tensor.dtype))
+            own = self._rule_for(key)[0]  # one target when the key is one piece (``parts``)
+            metas.append((rule, next(self._targets(key, own, m, tuple(tensor.shape)))[1], tensor.dtype))
         gate_shape = next(s for r, s, _ in metas if len(r.targets) == 2)
         down_shape = next(s for r, s, _ in metas if len(r.targets) == 1)
         if tuple(reversed(down_shape)) != gate_shape:
@@ -501,6 +513,8 @@ class StateDictAdapter:
             experts = range(shape[0]) if rule.per_expert else [None]
         else:
             experts = [e for ids in local.by_ep_rank for e in ids] if rule.per_expert else local.at(int(m.group("local")))
+        if rule.rows_field is not None:
+            inner[0] = self._config_int(rule.rows_field)
         for expert in experts:
             for template, size in zip(rule.targets, sizes):
                 part = list(inner)
@@ -514,6 +528,8 @@ class StateDictAdapter:
         local = self._local_experts_of(key, rule, m)
         if rule.experts_view is not None:
             box = _viewed(key, box, self._rule_shape(key, rule, m, box.global_shape))
+        if rule.rows_field is not None:
+            box = _leading_rows(box, self._config_int(rule.rows_field))
         experts = None if local is None else (local.mine if rule.per_expert else (local.mine[int(m.group("local"))],))
         if rule.split_groups is None and rule.split_units is None:
             yield from _rule_pieces(key, rule, m, box, experts)
@@ -695,6 +711,23 @@ def _preview(keys: list[str], limit: int = 6) -> str:
 
 def _target(template: str, m: re.Match[str], expert: int | None) -> str:
     return template.format(**m.groupdict(), expert=expert)
+
+
+def _one_part(rule: KeyRule, m: re.Match[str]) -> KeyRule:
+    """``rule`` for a key that names one target's piece alone (``parts``): that target, unsplit."""
+    part = m.groupdict().get("part")
+    if not part:
+        return rule
+    return dataclasses.replace(rule, targets=(rule.targets[rule.parts.index(part)],), parts=())
+
+
+def _leading_rows(box: LocalBox, rows: int) -> LocalBox:
+    """``box`` cut to the first ``rows`` rows of the global tensor (a view; a rank holding only
+    padding rows keeps an empty box, which yields no piece)."""
+    start = min(box.offsets[0], rows)
+    held = max(0, min(box.offsets[0] + box.local.shape[0], rows) - start)
+    return dataclasses.replace(box, global_shape=(rows, *box.global_shape[1:]),
+                               offsets=(start, *box.offsets[1:]), local=box.local.narrow(0, 0, held))
 
 
 def _viewed(key: str, box: LocalBox, shape: tuple[int, ...]) -> LocalBox:

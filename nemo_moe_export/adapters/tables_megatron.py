@@ -35,7 +35,7 @@ import re
 from nemo_moe_export.adapters.engine import KeyRule, ModelTable
 from nemo_moe_export.adapters.tables import DEEPSEEK_V3, QWEN3_MOE
 
-__all__ = ["MEGATRON_DEEPSEEK_V3", "MEGATRON_QWEN3_MOE", "MEGATRON_TABLES", "NAMING"]
+__all__ = ["GLU_PARTS", "MEGATRON_DEEPSEEK_V3", "MEGATRON_QWEN3_MOE", "MEGATRON_TABLES", "NAMING"]
 
 NAMING = "megatron_core"
 """The ``InMemoryLayout.naming`` of megatron-core state dicts; tables are ``"megatron_core:{model_type}"``."""
@@ -44,6 +44,12 @@ _LAYER = r"(?P<prefix>decoder\.layers\.(?P<layer>\d+))"
 _MTP = r"mtp\.layers\.(?P<layer>\d+)"
 _MTP_BLOCK = rf"(?P<prefix>{_MTP}\.transformer_layer)"  # an MTP layer's decoder block: a layer's names
 _HF_LAYER = "model.layers.{layer}"
+GLU_PARTS = ("_w", "_v")
+"""Suffixes of a SwiGLU ``linear_fc1``'s gate and up pieces, megatron-core's own names for the two
+ShardedTensors its GLU factory builds (``mlp.apply_swiglu_sharded_factory``): a TP rank holds
+``[gate_r; up_r]``, two row ranges of two HF tensors, so the view presents them apart."""
+_GLU_PART = r"(?P<part>_w|_v)?"
+_VOCAB_ROWS = "vocab_size"  # megatron pads the vocabulary; HF's vocab_size is the unpadded count
 
 
 def _renames(pairs: dict[str, str], layer: str = _LAYER) -> tuple[KeyRule, ...]:
@@ -52,10 +58,11 @@ def _renames(pairs: dict[str, str], layer: str = _LAYER) -> tuple[KeyRule, ...]:
 
 
 def _gated_mlp(src: str, dst: str, layer: str = _LAYER) -> tuple[KeyRule, ...]:
-    """A gated MLP: ``linear_fc1`` [2F, H] is gate rows then up rows; ``linear_fc2`` is down."""
+    """A gated MLP: ``linear_fc1`` [2F, H] is gate rows then up rows (or its ``_w`` / ``_v``
+    pieces, :data:`GLU_PARTS`); ``linear_fc2`` is down."""
     return (
-        KeyRule(rf"{layer}\.{re.escape(src)}\.linear_fc1\.weight",
-                (f"{_HF_LAYER}.{dst}.gate_proj.weight", f"{_HF_LAYER}.{dst}.up_proj.weight")),
+        KeyRule(rf"{layer}\.{re.escape(src)}\.linear_fc1\.weight{_GLU_PART}",
+                (f"{_HF_LAYER}.{dst}.gate_proj.weight", f"{_HF_LAYER}.{dst}.up_proj.weight"), parts=GLU_PARTS),
         KeyRule(rf"{layer}\.{re.escape(src)}\.linear_fc2\.weight", (f"{_HF_LAYER}.{dst}.down_proj.weight",)),
     )
 
@@ -68,8 +75,8 @@ def _routed_experts(layer: str = _LAYER, block: str = "") -> tuple[KeyRule, ...]
     gate_up = (f"{per}.gate_proj.weight", f"{per}.up_proj.weight")
     down = (f"{per}.down_proj.weight",)
     return (
-        KeyRule(rf"{moe}\.experts\.local_experts\.(?P<local>\d+)\.linear_fc1\.weight", gate_up,
-                local_experts=True, group=f"sequential{block}"),
+        KeyRule(rf"{moe}\.experts\.local_experts\.(?P<local>\d+)\.linear_fc1\.weight{_GLU_PART}", gate_up,
+                local_experts=True, group=f"sequential{block}", parts=GLU_PARTS),
         KeyRule(rf"{moe}\.experts\.local_experts\.(?P<local>\d+)\.linear_fc2\.weight", down,
                 local_experts=True, group=f"sequential{block}"),
         KeyRule(rf"{moe}\.experts\.linear_fc1\.weight(?P<local>\d+)", gate_up, local_experts=True,
@@ -88,13 +95,15 @@ _MTP_OWN = {  # what only an MTP layer has, around its decoder block
     "hnorm.weight": "hnorm.weight",
     "eh_proj.weight": "eh_proj.weight",
     "final_layernorm.weight": "shared_head.norm.weight",
-    "output_layer.weight": "shared_head.head.weight",  # the view's name of the output layer it projects through
 }
+# the view's name of the output layer an MTP layer projects through (padded vocabulary rows)
+_MTP_HEAD = KeyRule(rf"{_MTP}\.output_layer\.weight", (f"{_HF_LAYER}.shared_head.head.weight",),
+                    rows_field=_VOCAB_ROWS)
 
 _MODEL_RULES = (
-    KeyRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",)),
+    KeyRule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), rows_field=_VOCAB_ROWS),
     KeyRule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",)),
-    KeyRule(r"output_layer\.weight", ("lm_head.weight",)),
+    KeyRule(r"output_layer\.weight", ("lm_head.weight",), rows_field=_VOCAB_ROWS),
 )
 
 _NORMS_AND_ROUTER = {
@@ -154,6 +163,7 @@ MEGATRON_DEEPSEEK_V3 = ModelTable(
         *_deepseek_v3_layer(_LAYER),
         *_deepseek_v3_layer(_MTP_BLOCK, ":mtp"),
         *_renames(_MTP_OWN, _MTP),
+        _MTP_HEAD,
     ),
     num_experts_fields=("n_routed_experts",),
     tied_keys=("output_layer.weight",),

@@ -323,7 +323,8 @@ def _model_groups(model: Any, layout: ParallelLayout, coordinator: Coordinator) 
     which must still carry the report."""
     from torch.distributed.tensor import DTensor
 
-    groups = [g for g in (layout.dp.group, layout.ep.group, layout.edp.group, layout.pp.group) if g is not None]
+    groups = [g.group for g in (layout.dp, layout.ep, layout.edp, *layout.model_parallel_groups().values())
+              if g.group is not None]
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
     for mesh in meshes.values():
         groups.extend(mesh.get_all_groups())

@@ -82,10 +82,8 @@ def score_records(prepared: PreparedQuestions, row_scores: dict[int, list[float]
 
 def layout_summary(layout: ParallelLayout) -> dict[str, Any]:
     """Where the groups came from and this rank's place in each (picklable, JSON-ready); the
-    pipeline group only under pipeline parallelism."""
-    groups = [("dp", layout.dp), ("ep", layout.ep), ("edp", layout.edp)]
-    if layout.pp.size > 1:
-        groups.append(("pp", layout.pp))
+    pipeline, tensor and context groups only where they have more than one rank."""
+    groups = [("dp", layout.dp), ("ep", layout.ep), ("edp", layout.edp), *layout.model_parallel_groups().items()]
     return {"source": layout.source,
             **{k: {"rank": g.rank, "size": g.size, "ranks": list(g.ranks)} for k, g in groups}}
 

@@ -52,7 +52,8 @@ from nemo_moe_export.export.replicas import ReplicaReport, ReplicaSet, check_rep
 from nemo_moe_export.export.stages import (Catalogue, catalogue_of, check_declared, check_mtp_layers, check_tied,
                                            merge_catalogues, pipeline_group_of, stage_replicated, tied_boxes,
                                            tied_pairs)
-from nemo_moe_export.export.storage import StorageWriter, check_writer_ranks, writer_for
+from nemo_moe_export.export.row_exchange import row_parallel_shares, write_exchanged_rows
+from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, check_writer_ranks, writer_for
 from nemo_moe_export.export.target import ExportTarget, new_export_id, write_metadata_files
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.export.writer import WriteStats, write_headers
@@ -496,9 +497,25 @@ def _write_headers(steps: _Steps, job: _Job) -> None:
 
 
 def _write(steps: _Steps, job: _Job) -> WriteStats:
-    """Step 4: the storage writer puts this rank's pieces in place (and fsyncs)."""
+    """Step 4: the storage writer puts this rank's pieces in place (and fsyncs). On a shared
+    filesystem, row-parallel TP shares are first exchanged between the TP peers and written as
+    whole rows (``row_exchange.py``; docs/design.md#tensor-and-context-parallelism-torch-tp)."""
     with steps.step("write"):
-        stats = job.writer.write(job.plan, job.pieces, job.target.partial)
+        regular, rows = job.pieces, []
+        if type(job.writer) is SharedFilesystemWriter:  # not the local-filesystem or FP8 writers
+            regular, rows = row_parallel_shares(job.pieces, job.inputs.state_dict)
+        if not rows:
+            return job.writer.write(job.plan, job.pieces, job.target.partial)
+        writer = job.writer.batch_writer(job.plan, job.target.partial,
+                                         pinned=any(p.tensor.is_cuda for p in job.pieces))
+        try:
+            exchanged = write_exchanged_rows(writer, rows, job.coordinator.timeout)
+            writer.write(regular)
+        except BaseException:
+            writer.abandon()
+            raise
+        stats = writer.close()
+        stats.exchanged_bytes = exchanged
     return stats
 
 

@@ -2,7 +2,7 @@
 and for what it cannot do without Transformer Engine.
 
 Only the tests and the recipe (``megatron/recipe.py``) apply these: on CPU ranks all of them, on
-GPU ranks without Transformer Engine the three :data:`TE_PATCHES`; nothing else in the package
+GPU ranks without Transformer Engine the :data:`TE_PATCHES`; nothing else in the package
 imports this module, and the product code calls megatron-core as it is. Each patch names the call
 it stands in for and why the substitute computes the same thing on a CPU rank
 (docs/design.md#megatron-core-models). :func:`apply` is idempotent and process-wide: call it in each
@@ -26,11 +26,13 @@ CUDA_PATCHES = (
     "language_module.py setup_embeddings_and_output_layer: weight.data.cuda() (pipeline embedding copy)",
 )
 # megatron-core 0.16.1 without Transformer Engine, on any device: its MoE router raises NameError
-# and MLA takes TE-only paths. GPU ranks without TE need these three as well (apply_without_te).
+# and MLA takes TE-only paths; its torch norm refuses sequence parallelism. GPU ranks without TE
+# need these as well (apply_without_te).
 TE_PATCHES = (
     "moe_utils.te_general_gemm (undefined without Transformer Engine)",
     "multi_latent_attention.HAVE_TE (true without Transformer Engine)",
     "DotProductAttention(k_channels=, v_channels=) for MLA",
+    "WrappedTorchNorm under sequence parallelism (refused without Transformer Engine)",
 )
 PATCHES = CUDA_PATCHES + TE_PATCHES
 
@@ -57,6 +59,7 @@ def apply_without_te() -> tuple[str, ...]:
         _router_gemm()
         _mla_without_te()
         _mla_core_attention()
+        _sequence_parallel_torch_norm()
         _applied.add("te")
     return TE_PATCHES
 
@@ -181,3 +184,29 @@ def _mla_core_attention() -> None:
             super().__init__(config, *args, **kwargs)
 
     backends.LocalSpecProvider.core_attention = lambda self: MLADotProductAttention
+
+
+def _sequence_parallel_torch_norm() -> None:
+    """The local spec's ``WrappedTorchNorm`` asserts ``not config.sequence_parallel``; Transformer
+    Engine's norms take it. A norm is per token, so on a rank's sequence shard it computes what it
+    computes on the whole sequence; its weight is then the same on every TP rank and its gradient
+    a partial sum, which megatron all-reduces over TP for weights tagged ``sequence_parallel``
+    (``finalize_model_grads``), as TE's norms are tagged. So the norm is built with the flag off,
+    and its weights tagged."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    build = torch_norm.WrappedTorchNorm.__new__
+
+    def build_for_sequence_parallel(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not config.sequence_parallel:
+            return build(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = build(cls, plain, *args, **kwargs)
+        for weight in norm.parameters():
+            weight.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = build_for_sequence_parallel

@@ -61,10 +61,12 @@ def infer_family(config: Any) -> str:
     return "deepseek_v3" if getattr(config, "multi_latent_attention", False) else "qwen3_moe"
 
 
-def hf_config_for(gpt_model: Any, family: str, layout: InMemoryLayout, moe_layers: list[int] | None = None) -> Any:
+def hf_config_for(gpt_model: Any, family: str, layout: InMemoryLayout, moe_layers: list[int] | None = None,
+                  *, vocab_size: int | None = None) -> Any:
     """The HF config of ``gpt_model`` as ``family``, carrying ``layout``; refuses what HF cannot
     express. ``moe_layers``: the global numbers of the model's MoE layers (default: this model's,
-    the whole model without pipeline stages)."""
+    the whole model without pipeline stages). ``vocab_size``: the HF vocabulary, without megatron's
+    padding (default: the model's)."""
     if family not in FAMILIES:
         raise ExportInputError("unsupported megatron-core model family", key="family", expected=FAMILIES,
                                actual=repr(family))
@@ -72,7 +74,10 @@ def hf_config_for(gpt_model: Any, family: str, layout: InMemoryLayout, moe_layer
     _require_common(gpt_model, cfg)
     moe = sorted(moe_layer_ids(gpt_model) if moe_layers is None else moe_layers)
     build = _deepseek_v3 if family == "deepseek_v3" else _qwen3_moe
-    config = build(gpt_model, cfg, moe, _common_fields(gpt_model, cfg))
+    common = _common_fields(gpt_model, cfg)
+    if vocab_size is not None:
+        common["vocab_size"] = vocab_size
+    config = build(gpt_model, cfg, moe, common)
     config.in_memory_layout = layout
     return config
 

@@ -17,15 +17,22 @@ transformers model (docs/design.md#megatron-core-models).
   replica groups, under global layer numbers. Training checkpoints stay megatron's own
   (``gpt.sharded_state_dict()``).
 
-Groups come from ``parallel_state`` (``parallel.discover_layout``). Expert, data and pipeline
-parallelism are supported. Under pipeline parallelism each rank wraps its own stage (a ``GPTModel``
-built with its ``pre_process`` / ``post_process``); the forward runs megatron's pipeline schedule
-and every rank returns the last stage's logits (``pipeline.py``), and ``pipeline_group`` tells the
-export which ranks hold the other stages (docs/design.md#pipeline-stages-megatron-core).
-``train_step`` (the recipe's trainer calls it) trains a pipelined model through megatron's own
-1F1B schedule; without pipeline stages it is one forward and backward, as the trainer's own. Tensor,
-context, expert-tensor and virtual-pipeline parallelism are refused at construction (the wrapper
-would take one TP shard or one model chunk for a whole stage).
+Groups come from ``parallel_state`` (``parallel.discover_layout``). Expert, data, pipeline, tensor
+(with or without sequence parallelism) and expert-tensor parallelism are supported. Under pipeline
+parallelism each rank wraps its own stage (a ``GPTModel`` built with its ``pre_process`` /
+``post_process``); the forward runs megatron's pipeline schedule and every rank returns the last
+stage's logits (``pipeline.py``), and ``pipeline_group`` tells the export which ranks hold the other
+stages (docs/design.md#pipeline-stages-megatron-core). Under tensor parallelism every rank of a TP
+group is called with the same batch; megatron gathers the vocabulary-parallel logits, so every rank
+returns the same ``.logits``; with sequence parallelism the sequence is padded (masked, on the
+right) to a multiple of the TP size and the padding cut off the logits. The export's view places
+each tensor as ``sharded_state_dict()`` records it (``state.py``,
+docs/design.md#tensor-parallelism-megatron-core). megatron pads its vocabulary (to a multiple of
+``make_vocab_size_divisible_by * TP`` in its training scripts): ``vocab_size`` is the HF one, and the
+logits, ``config.json`` and the export carry only its rows. ``train_step`` (the recipe's trainer
+calls it) trains a pipelined model through megatron's own 1F1B schedule; without pipeline stages it
+is one forward and backward, as the trainer's own. Context and virtual-pipeline parallelism are
+refused at construction.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from nemo_moe_export.adapters import InMemoryLayout
 from nemo_moe_export.adapters.tables_megatron import NAMING
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.megatron.hf_config import hf_config_for, infer_family, stock_config_class
-from nemo_moe_export.megatron.pipeline import main_head_only, pipelined_logits, pipelined_train_step, projecting_only
+from nemo_moe_export.megatron.pipeline import (kept_positions, main_head_only, pipelined_logits, pipelined_train_step,
+                                              projecting_only)
 from nemo_moe_export.megatron.state import ReplicaMeshes, export_view, gather_local_experts, moe_layer_ids
 from nemo_moe_export.parallel import ParallelLayout, RankGroup, discover_layout
 
@@ -53,14 +61,16 @@ class MegatronCausalLM(torch.nn.Module):
 
     Construct it on every rank (it all-gathers the MoE layers' ``local_expert_indices`` over the EP
     group and the MoE layer numbers over the pipeline group). ``family`` is ``"deepseek_v3"`` or
-    ``"qwen3_moe"`` (default: DeepSeek-V3 for MLA models, Qwen3-MoE otherwise). ``microbatches``:
+    ``"qwen3_moe"`` (default: DeepSeek-V3 for MLA models, Qwen3-MoE otherwise). ``vocab_size``: the
+    HF vocabulary (the tokenizer's; default the model's own, i.e. no padding), at most the model's
+    padded ``vocab_size``. ``microbatches``:
     how many microbatches the pipeline schedule cuts a batch into (default: one per stage; a
     training batch must split into that many equal ones, a forward's takes the largest count not
     above it that divides its rows); unused without pipeline stages.
     """
 
     def __init__(self, gpt_model: Any, *, family: str | None = None, layout: ParallelLayout | None = None,
-                 microbatches: int | None = None) -> None:
+                 microbatches: int | None = None, vocab_size: int | None = None) -> None:
         super().__init__()
         check_parallelism()
         self.gpt = gpt_model
@@ -79,11 +89,13 @@ class MegatronCausalLM(torch.nn.Module):
             raise ExportInputError("the pipeline's microbatch count must be a positive integer", key="microbatches",
                                    expected="an integer >= 1 (None: one per stage)", actual=repr(microbatches))
         self.microbatches = microbatches or self.layout.pp.size
+        self.vocab_size = _hf_vocab_size(gpt_model, vocab_size)
         self.family = family or infer_family(gpt_model.config)
         local = gather_local_experts(gpt_model, self.layout)
         moe_layers = _over_stages(moe_layer_ids(gpt_model), self.layout.pp)
-        self.config = hf_config_for(gpt_model, self.family, InMemoryLayout(NAMING, local), moe_layers)
-        self._meshes = ReplicaMeshes(self.layout, next(gpt_model.parameters()).device.type)
+        self.config = hf_config_for(gpt_model, self.family, InMemoryLayout(NAMING, local), moe_layers,
+                                    vocab_size=self.vocab_size)
+        self._meshes = ReplicaMeshes(self.layout, next(gpt_model.parameters()).device.type, _etp_group())
         self._copy_fp32_declarations()
 
     def _copy_fp32_declarations(self) -> None:
@@ -105,17 +117,49 @@ class MegatronCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 use_cache: bool = False, logits_to_keep: int | torch.Tensor = 0) -> CausalLMOutput:
         """``.logits`` ``[rows, kept positions, vocab]``; ``use_cache`` is accepted and unused (no
-        cache). Under pipeline parallelism every rank of a pipeline is called with the same batch
-        and returns the same logits."""
-        rows, length = input_ids.shape
-        position_ids = torch.arange(length, device=input_ids.device).expand(rows, length)
-        mask = attention_mask_for(attention_mask, rows, length, input_ids.device)
+        cache). Every rank of a pipeline and of a tensor-parallel group is called with the same
+        batch and returns the same logits (``[..., :vocab_size]``: megatron's padding rows cut)."""
+        length = input_ids.shape[1]
+        input_ids, attention_mask, logits_to_keep = self._padded_for_sequence_parallel(input_ids, attention_mask,
+                                                                                        logits_to_keep)
+        rows, padded = input_ids.shape
+        position_ids = torch.arange(padded, device=input_ids.device).expand(rows, padded)
+        mask = attention_mask_for(attention_mask, rows, padded, input_ids.device)
+        # under sequence parallelism the output layer's input is this rank's sequence shard (the
+        # layer gathers it), so positions are selected from the logits, not before the projection
+        sequence_parallel = self.gpt.config.sequence_parallel
+        projected = 0 if sequence_parallel else logits_to_keep
         if self.layout.pp.size > 1:
-            return CausalLMOutput(logits=pipelined_logits(self.gpt, self.layout.pp, input_ids, position_ids, mask,
-                                                          logits_to_keep, self.microbatches))
-        with projecting_only(self.gpt.output_layer, logits_to_keep), main_head_only(self.gpt):
-            logits = self.gpt(input_ids, position_ids, mask, runtime_gather_output=True)
-        return CausalLMOutput(logits=logits)
+            logits = pipelined_logits(self.gpt, self.layout.pp, input_ids, position_ids, mask, projected,
+                                      self.microbatches)
+        else:
+            with projecting_only(self.gpt.output_layer, projected), main_head_only(self.gpt):
+                logits = self.gpt(input_ids, position_ids, mask, runtime_gather_output=True)
+        if isinstance(logits_to_keep, int) and logits_to_keep == 0:
+            logits = logits[:, :length]  # the sequence-parallel padding
+        elif sequence_parallel:
+            logits = kept_positions(logits.transpose(0, 1), logits_to_keep).transpose(0, 1)
+        return CausalLMOutput(logits=logits[..., :self.vocab_size])
+
+    def _padded_for_sequence_parallel(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                                      keep: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                         int | torch.Tensor]:
+        """Under sequence parallelism megatron splits the sequence over the TP ranks, so its length
+        must divide by the TP size: pad on the right with masked positions (causal attention keeps
+        them out of every real position) and name the kept positions explicitly (an int would
+        count from the padded end)."""
+        tp = self.layout.tp.size
+        rows, length = input_ids.shape
+        if not self.gpt.config.sequence_parallel or length % tp == 0:
+            return input_ids, attention_mask, keep
+        extra = tp - length % tp
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+        attention_mask = torch.nn.functional.pad(attention_mask, (0, extra))
+        if isinstance(keep, int) and keep > 0:
+            keep = torch.arange(length - keep, length, device=input_ids.device)
+        return input_ids, attention_mask, keep
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
@@ -177,21 +221,37 @@ class MegatronCausalLM(torch.nn.Module):
 
 
 def check_parallelism() -> None:
-    """Refuse tensor, context, expert-tensor and virtual-pipeline parallelism (EP x DP x PP only)."""
+    """Refuse context and virtual-pipeline parallelism (EP x DP x PP x TP (+SP) x ETP only)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         raise ExportInputError("megatron-core's parallel_state is not initialised", key="parallel_state",
                                expected="parallel_state.initialize_model_parallel(...) before wrapping the model",
                                actual="not initialised")
-    sizes = {"tensor_model_parallel": ps.get_tensor_model_parallel_world_size(),
-             "context_parallel": ps.get_context_parallel_world_size(),
-             "expert_tensor_parallel": ps.get_expert_tensor_parallel_world_size(),
+    sizes = {"context_parallel": ps.get_context_parallel_world_size(),
              "virtual_pipeline_model_parallel": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
     if any(size != 1 for size in sizes.values()):
-        raise ExportInputError("only expert, data and pipeline parallelism are supported for megatron-core models",
-                               key="parallel_state", expected="TP = CP = expert-TP = virtual PP = 1", actual=sizes,
-                               hint="docs/design.md#megatron-core-models says what is supported")
+        raise ExportInputError("context and virtual-pipeline parallelism are not supported for megatron-core models",
+                               key="parallel_state", expected="CP = virtual PP = 1", actual=sizes,
+                               hint="docs/design.md#tensor-parallelism-megatron-core says what is supported")
+
+
+def _etp_group() -> RankGroup:
+    """parallel_state's expert-tensor-parallel group (its ranks split each expert's weights)."""
+    from megatron.core import parallel_state as ps
+
+    return RankGroup.of(ps.get_expert_tensor_parallel_group())
+
+
+def _hf_vocab_size(gpt_model: Any, vocab_size: int | None) -> int:
+    padded = gpt_model.vocab_size
+    if vocab_size is None:
+        return padded
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
+        raise ExportInputError("the HF vocabulary must fit the model's (padded) vocabulary", key="vocab_size",
+                               expected=f"an integer in 1..{padded} (the GPTModel's vocab_size, padding included)",
+                               actual=repr(vocab_size))
+    return vocab_size
 
 
 def attention_mask_for(attention_mask: torch.Tensor | None, rows: int, length: int, device: torch.device

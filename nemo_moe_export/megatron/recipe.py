@@ -5,7 +5,7 @@
 transformers model: megatron-core shards while it builds (each EP rank creates only its experts,
 each pipeline rank only its stage), so ``parallel_state`` comes first. On CPU ranks the stand-ins
 of ``cpu_patches`` are applied here, the one product path that does, and on GPU ranks without
-Transformer Engine its three TE stand-ins (docs/design.md#megatron-core-models).
+Transformer Engine its TE stand-ins (docs/design.md#megatron-core-models).
 
 With ``parallel.pp_size`` > 1 (``parallel=pp_ep``) ``parallel_state`` has ``pp_size`` pipeline
 ranks, each building its stage with megatron's own split of the layers (:func:`pipeline_split`:

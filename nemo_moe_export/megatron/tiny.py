@@ -24,14 +24,15 @@ import torch
 
 from nemo_moe_export.errors import ExportInputError
 
-__all__ = ["DISPATCHERS", "build_gpt", "init_by_hf_name", "tiny_transformer_config"]
+__all__ = ["DISPATCHERS", "build_gpt", "init_by_hf_name", "padded_vocab_size", "tiny_transformer_config"]
 
 DISPATCHERS = ("alltoall", "allgather")
 
 
 def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int = 32, moe_ffn_hidden_size: int = 16,
                             num_layers: int = 2, dispatcher: str = "alltoall", dtype: torch.dtype = torch.float32,
-                            pipeline_size: int = 1, expert_parallel_size: int | None = None, **overrides: Any) -> Any:
+                            pipeline_size: int = 1, expert_parallel_size: int | None = None,
+                            sequence_parallel: bool = False, **overrides: Any) -> Any:
     """A ``TransformerConfig`` (``MLATransformerConfig`` for ``deepseek_v3``) of a tiny MoE model.
 
     DeepSeek-V3: layer 0 dense, the rest MoE, one shared expert. Qwen3-MoE: every layer MoE.
@@ -40,14 +41,19 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
     ``expert_model_parallel_size``, from which its linear layers mark expert weights
     ``allreduce=False`` (only when > 1): the mark that tells a data-parallel gradient average
     (megatron's DDP, the recipe's trainer) to take experts over the expert-data-parallel group, not
-    over data-parallel ranks that hold other experts. Other megatron fields (an uneven split,
-    ``mtp_num_layers``) come as ``overrides``.
+    over data-parallel ranks that hold other experts. ``tensor_model_parallel_size`` and
+    ``expert_tensor_parallel_size`` are ``parallel_state``'s (megatron's layers split by its
+    groups; the config's sizes must agree); ``sequence_parallel`` needs TP > 1. Other megatron
+    fields (an uneven split, ``mtp_num_layers``) come as ``overrides``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    initialised = ps.model_parallel_is_initialized()
     if expert_parallel_size is None:
-        expert_parallel_size = ps.get_expert_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+        expert_parallel_size = ps.get_expert_model_parallel_world_size() if initialised else 1
+    tp = ps.get_tensor_model_parallel_world_size() if initialised else 1
+    etp = ps.get_expert_tensor_parallel_world_size() if initialised else 1
 
     if dispatcher not in DISPATCHERS:
         raise ExportInputError("unknown megatron-core token dispatcher", key="model.dispatcher",
@@ -60,7 +66,8 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
         qk_layernorm=True, hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, kv_channels=8,
         pipeline_model_parallel_size=pipeline_size, pipeline_dtype=dtype,  # what the stages exchange
-        expert_model_parallel_size=expert_parallel_size,
+        expert_model_parallel_size=expert_parallel_size, tensor_model_parallel_size=tp,
+        expert_tensor_parallel_size=etp, sequence_parallel=sequence_parallel,
     )
     if family == "deepseek_v3":
         common.update(
@@ -77,6 +84,14 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
         return TransformerConfig(**common)
     raise ExportInputError("unknown megatron-core tiny family", key="model.family",
                            expected=["deepseek_v3", "qwen3_moe"], actual=repr(family))
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, divisible_by: int = 128) -> int:
+    """The vocabulary megatron builds for a tokenizer of ``vocab_size`` tokens: rounded up to a
+    multiple of ``divisible_by * tensor_parallel_size`` (megatron's training arguments,
+    ``make_vocab_size_divisible_by``; its ``VocabParallelEmbedding`` needs a multiple of TP)."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
 
 
 def build_gpt(config: Any, *, vocab_size: int, max_sequence_length: int = 512) -> Any:

@@ -48,7 +48,7 @@ from torch.distributed.pipelining import (
 from transformers.modeling_outputs import CausalLMOutput
 
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.pipeline.stages import PipelineStageError, stage_ids, stage_info
+from nemo_moe_export.pipeline.stages import PipelineStageError, StageInfo, stage_ids, stage_info
 
 __all__ = ["PipelineError", "PipelinedCausalLM", "pipeline_train_step"]
 
@@ -120,7 +120,7 @@ class PipelinedCausalLM(nn.Module):
                                    actual=f"{list(self.stage_ids)} of {self.n_stages}",
                                    hint="give rank r of a PP group of p the stages r, r+p, ... (stage_ids())")
         for part, sid in zip(self.parts, self.stage_ids):
-            info = stage_info(part)
+            info = self.stage_info(part)
             if info.index != sid or info.n_stages != self.n_stages:
                 raise ExportInputError("stage module does not match its stage id", key=f"stage {sid}",
                                        expected=f"stage {sid} of {self.n_stages}",
@@ -195,7 +195,7 @@ class PipelinedCausalLM(nn.Module):
         if self.pp_size == 1:  # every stage on this rank: nothing to schedule (torch's looped
             output = ids       # schedules expect their local hand-offs to run backward too)
             for part in self.parts:
-                output = part(output, **kwargs)
+                output = self.stage_module(part)(output, **kwargs)
         else:
             output = self.run(ids.shape[0], length, kept, *self.first_stage_args(ids), **kwargs)
         logits = output[:rows].to(self.dtype).contiguous() if self.holds_last_stage else None
@@ -285,9 +285,21 @@ class PipelinedCausalLM(nn.Module):
         ids = torch.empty(shape.rows, shape.length, dtype=torch.long, device=meta)
         logits = torch.empty(shape.rows, shape.kept, self.config.vocab_size, dtype=self.dtype, device=meta,
                              requires_grad=True)
-        info = stage_info(part)
-        return PipelineStage(part, sid, self.n_stages, self.device, input_args=ids if info.is_first else hidden,
+        info = self.stage_info(part)
+        return PipelineStage(self.stage_module(part), sid, self.n_stages, self.device,
+                             input_args=ids if info.is_first else hidden,
                              output_args=logits if info.is_last else hidden, group=self.pipeline_group)
+
+    # --- what a subclass over other stage modules replaces (the AutoModel integration) ------------
+
+    def stage_info(self, part: nn.Module) -> StageInfo:
+        """Which stage ``part`` is (:func:`~nemo_moe_export.pipeline.stages.split_stages` records it)."""
+        return stage_info(part)
+
+    def stage_module(self, part: nn.Module) -> nn.Module:
+        """What a ``PipelineStage`` calls for ``part``: ``part(x, attention_mask=, logits_to_keep=)``
+        returning a tensor, as :func:`~nemo_moe_export.pipeline.stages.stage_forward` does."""
+        return part
 
 
 def _row_positions(keep: int | torch.Tensor, rows: int, length: int, device: torch.device) -> torch.Tensor | None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.planner.model import MetaModel, PlanTarget, build_meta_model
+from nemo_moe_export.planner.model_parallel import model_parallel_of
 from nemo_moe_export.planner.report import build_report, format_table
 from nemo_moe_export.planner.simulate import RankPlan, Simulation, simulate
 from nemo_moe_export.planner.timing import TimeModel, predict
@@ -22,6 +24,10 @@ __all__ = ["MetaModel", "PlanTarget", "RankPlan", "Simulation", "TimeModel", "bu
 def plan_job(target: PlanTarget, world: int, time_model: TimeModel, *, device: str = "cpu",
              meta: MetaModel | None = None, per_rank: bool = True, mmlu: tuple[str, str] | None = None) -> dict:
     """The report for ``target`` on ``world`` ranks (``mmlu``: a question folder and a tokenizer)."""
+    mp = model_parallel_of(target.parallel)
+    if mmlu is not None and mp.tp * mp.cp > 1:  # TP / CP peers run every batch together: not planned yet
+        raise ExportInputError("MMLU is not planned under TP or CP", key="--mmlu", expected="tp_size = cp_size = 1",
+                               actual=f"tp_size={mp.tp}, cp_size={mp.cp}", hint="plan the export alone")
     meta = meta or build_meta_model(target.config, target.dtype)
     simulation = simulate(meta, target.parallel, world, target.export, device=device)
     mmlu_plan: Any = None

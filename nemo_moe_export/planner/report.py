@@ -7,7 +7,8 @@ from typing import Any
 __all__ = ["build_report", "format_bytes", "format_table"]
 
 _RANK_FIELDS = ("bytes", "runs", "files_owned", "files_written", "header_bytes", "staged_bytes",
-                "staging_peak_bytes", "replica_bytes_checked", "replica_allreduce_bytes")
+                "staging_peak_bytes", "replica_bytes_checked", "replica_allreduce_bytes", "exchanged_bytes",
+                "row_exchanges", "exchange_peak_bytes")
 
 
 def format_bytes(n: float) -> str:
@@ -37,7 +38,7 @@ def build_report(target: Any, meta: Any, simulation: Any, timing: dict, *, devic
         layout=dict(strategy=parallel.strategy, world_size=simulation.world_size,
                     replicate=parallel.replicate if parallel.strategy == "hsdp" else None,
                     ep_size=parallel.ep_size if parallel.strategy in ("ep", "ep_fsdp") else None, device=device,
-                    **_pipeline_layout(parallel, simulation)),
+                    **_pipeline_layout(parallel, simulation), **_model_parallel_layout(simulation)),
         export=dict(dtype=target.export.dtype, max_shard_size=target.export.max_shard_size,
                     staging_bytes=target.export.staging_bytes, writer_threads=target.export.writer_threads),
         checkpoint=dict(bytes=plan.total_tensor_bytes, files=len(plan.files), tensors=len(plan.tensors),
@@ -71,11 +72,28 @@ def _pipeline_layout(parallel: Any, simulation: Any) -> dict:
                 layers_per_stage=[len(ls) for ls in p.layers])
 
 
+def _model_parallel_layout(simulation: Any) -> dict:
+    """TP / CP / ETP / SP sizes (nothing when all are 1 and SP is off, as before them)."""
+    mp = simulation.model_parallel
+    if mp is None or (mp.tp, mp.cp, mp.etp, mp.sequence_parallel) == (1, 1, 1, False):
+        return {}
+    return mp.describe()
+
+
 def _layout_text(layout: dict) -> str:
     w = layout["world_size"]
     pp = layout.get("pp_size", 1)
     s = w // pp  # the ranks a stage is sharded over
-    if layout["strategy"] == "hsdp":
+    tp, cp = layout.get("tp_size", 1), layout.get("cp_size", 1)
+    split = (f"TP {tp}" + (" + SP" if layout.get("sequence_parallel") else "") if tp > 1 else "",
+             f"CP {cp}" if cp > 1 else "")
+    model_parallel = " x ".join(p for p in split if p)
+    if model_parallel:
+        dp = s // (tp * cp)
+        inner = (f"{model_parallel} x " + (f"EP {layout['ep_size']} (ETP {layout.get('etp_size', 1)}, expert-DP "
+                                            f"{s // layout['ep_size']}), dense DP {dp}" if layout["strategy"] == "ep"
+                                            else f"FSDP {dp}"))
+    elif layout["strategy"] == "hsdp":
         inner = f"HSDP {layout['replicate']} x {s // layout['replicate']}"
     elif layout["strategy"] in ("ep", "ep_fsdp"):
         extra = " + FSDP of the dense part" if layout["strategy"] == "ep_fsdp" else ""
@@ -105,6 +123,9 @@ def format_table(report: dict) -> str:
                   staged_bytes="bytes through staging", staging_peak_bytes="peak staging memory",
                   replica_bytes_checked="replica check: bytes read",
                   replica_allreduce_bytes="replica check: all-reduce bytes")
+    if report["summary"]["row_exchanges"]["max"]:
+        labels.update(exchanged_bytes="TP row exchange: bytes sent", row_exchanges="TP row exchange: all-to-alls",
+                      exchange_peak_bytes="TP row exchange: peak buffers")
     for field, label in labels.items():
         s = report["summary"][field]
         as_bytes = field.endswith("bytes") or field.endswith("bytes_checked")
@@ -120,7 +141,9 @@ def format_table(report: dict) -> str:
         f"predicted export time: {t['seconds']:.1f} s at {format_bytes(a['node_bandwidth'])}/s per node, "
         f"{a['ranks_per_node']} ranks per node ({t['nodes']} nodes): write {t['write_s']:.1f} s, replica check "
         f"{t['replica_check_s']:.2f} s, plan + shares {t['validate_compute_s']:.2f} s, coverage {t['coverage_s']:.2f} s, "
-        f"agreements {t['agreements_s']:.2f} s",
+        f"agreements {t['agreements_s']:.2f} s" + (f", row exchange {t['row_exchange_s']:.2f} s"
+                                                     if t.get("row_exchange_s") else "")
+        + f"; coordination {t['coordination_s']:.2f} s ({100 * t['coordination_share']:.0f}%)",
         f"checks: every element has one writer: {_yes(checks['every_element_one_writer'])}; boxes tile every "
         f"tensor: {_yes(checks['boxes_tile_exactly'])}; rank bytes sum to the checkpoint: "
         f"{_yes(checks['rank_bytes_sum_to_checkpoint'])}; plan digest identical on every rank: "

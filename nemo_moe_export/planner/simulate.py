@@ -9,10 +9,13 @@ For each simulated rank ``r`` of ``W`` (docs/design.md#planner):
    lays them out: FSDP2 ``Shard(0)`` of every parameter over ``dp_shard`` (HSDP: ``(Replicate,
    Shard(0))`` on ``(dp_replicate, dp_shard)``), expert parallelism's ``Shard(0)`` of the fused
    expert tensors on ``ep`` (``(Replicate, Shard(0))`` on ``(edp, ep)`` with expert-DP replicas),
-   buffers and EP's dense part as plain tensors; each a meta DTensor made by
+   buffers and EP's dense part as plain tensors; under TP / CP, each tensor where torch's own
+   ``parallelize_tp`` and ``fully_shard`` put it (``model_parallel.py``); each a meta DTensor made by
    ``DTensor.from_local`` with the local shape torch computes for that coordinate;
 3. the export's own code runs on it: ``step.rank_write_shares`` (the adapter's ``to_hf`` and
-   ``plan.write_shares``), ``plan.element_counts``, ``writer.byte_runs``, ``replicas.replica_sets``.
+   ``plan.write_shares``), ``plan.element_counts``, ``row_exchange.row_parallel_shares`` (the
+   row-parallel TP shares, written as whole rows after the exchange), ``writer.byte_runs``,
+   ``replicas.replica_sets``.
 
 The plan itself (``step.export_plan_of``) and the file owners (``plan.assign_file_owners``) are
 rank-independent and computed once, from the full meta state dict. The export's rank-local code is
@@ -38,10 +41,13 @@ from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners, check_coverage, element_counts
 from nemo_moe_export.export.replicas import replica_sets
+from nemo_moe_export.export.row_exchange import row_parallel_shares, row_parts
 from nemo_moe_export.export.step import (cyclic_gc_paused, export_catalogue, export_plan_of, rank_write_shares,
                                          replicated_tensors)
 from nemo_moe_export.export.writer import byte_runs
 from nemo_moe_export.planner.model import MetaModel
+from nemo_moe_export.planner.model_parallel import (ModelParallel, check_model_parallel, model_parallel_of,
+                                                    recorded_placements)
 from nemo_moe_export.planner.pipeline import Pipeline, pipeline_of
 
 __all__ = ["RankPlan", "Simulation", "StageWork", "fake_world", "simulate"]
@@ -72,6 +78,12 @@ class RankPlan:
     replica_allreduce_bytes: int = 0  # payload of its replica-check all-reduces
     elements: int = 0
     replica_group_sizes: list[int] = field(default_factory=list)  # ranks in each of its replica groups
+    # row-parallel TP shares (export/row_exchange.py): bytes it sends its TP peers, the all-to-alls
+    # (one per weight), the size of its TP group, and the largest exchange's buffers (received + whole rows)
+    exchanged_bytes: int = 0
+    row_exchanges: int = 0
+    exchange_group: int = 0
+    exchange_peak_bytes: int = 0
     share_seconds: float = 0.0  # rank_write_shares here (the representative layers, scaled to every layer)
     # element_counts and replica_sets here, the rest of validate's rank-local work (scaled likewise)
     local_seconds: float = 0.0
@@ -103,6 +115,7 @@ class Simulation:
     verify_seconds: float = 0.0
     layer_groups: dict[int, tuple[int, ...]] = field(default_factory=dict)
     stages: "StageWork | None" = None  # under pipeline stages: their layout and the export's extra work
+    model_parallel: "ModelParallel | None" = None  # TP / CP / ETP / SP sizes (model_parallel.py)
 
     @property
     def total_bytes(self) -> int:
@@ -177,15 +190,24 @@ class _Layout:
     Under pipeline parallelism (``pp_size`` > 1) every mesh has "pp" as its outermost dim and the
     strategy shards inside a stage over the stage's ``S = W / pp_size`` ranks, on the stage's
     sub-mesh; a plain tensor is a ``Replicate()`` DTensor over those ranks (the "stage peers"), as
-    the export's ``stages.stage_replicated`` makes it (docs/design.md#planner)."""
+    the export's ``stages.stage_replicated`` makes it (docs/design.md#planner). Under TP / CP
+    (``recorded``: each key's mesh dim names and placements, ``model_parallel.py``) a tensor goes on
+    the sub-mesh of those names of the stage's ``("dp", "cp", "tp")`` root; EP still places the
+    routed experts of the ``ep`` strategy."""
 
-    def __init__(self, parallel: Any, world: int) -> None:
+    def __init__(self, parallel: Any, world: int, recorded: Mapping[str, Any] | None = None) -> None:
         from torch.distributed.tensor import Replicate, Shard
 
         strategy, pp = parallel.strategy, _pp_size(parallel)
         stage = world // pp  # ranks per stage (the whole world without pipeline stages)
         self.dense = self.experts = self.plain = None  # (mesh, placements); None: a plain tensor
-        if strategy in ("fsdp", "hsdp", "ep_fsdp"):
+        self.recorded, self.root = recorded, None
+        self.meshes: dict[tuple[str, ...], Any] = {}
+        if recorded is not None:  # TP / CP: torch's own placements (model_parallel.py), on this rank's meshes
+            shape, names = model_parallel_of(parallel).root(stage)
+            self.root = _stage_mesh(pp, shape, names)
+            self.meshes[names] = self.root
+        elif strategy in ("fsdp", "hsdp", "ep_fsdp"):
             if strategy == "hsdp":
                 mesh = _stage_mesh(pp, (parallel.replicate, stage // parallel.replicate), ("dp_replicate", "dp_shard"))
                 self.dense = (mesh, (Replicate(), Shard(0)))
@@ -204,11 +226,22 @@ class _Layout:
         self.strategy = strategy
 
     def of(self, key: str, meta: MetaModel) -> tuple[Any, tuple] | None:
+        if self.recorded is not None:
+            if key in meta.experts and self.strategy == "ep":
+                return self.experts
+            where = self.recorded[key]
+            return self.plain if where is None else (self._mesh(where[0]), where[1])
         if key in meta.experts:
             return self.experts
         if key in meta.buffers or self.strategy == "ep":
             return self.plain
         return self.dense
+
+    def _mesh(self, names: tuple[str, ...]) -> Any:
+        """The stage root's sub-mesh of ``names`` (FSDP2 over "dp" of a TP weight: ``("dp", "tp")``)."""
+        if names not in self.meshes:
+            self.meshes[names] = self.root[names if len(names) > 1 else names[0]]
+        return self.meshes[names]
 
 
 def _pp_size(parallel: Any) -> int:
@@ -279,6 +312,7 @@ def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
     if parallel.strategy in ("ep", "ep_fsdp"):
         expert_parallel_groups(stage, parallel.ep_size)
         get_ep_expert_range(meta.adapter.num_experts, parallel.ep_size, 0)
+    check_model_parallel(parallel, stage, " of a pipeline stage" if pp > 1 else "")
 
 
 def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions, *,
@@ -304,14 +338,16 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
     per_stage = world // _pp_size(parallel)
     holders = None if pipeline is None else [pipeline.pp_rank_of(k) for k in plan.tensors]
     held: dict[int, _Held] = {}
+    mp = model_parallel_of(parallel)
     with fake_world() as become:
+        recorded = (recorded_placements(meta, parallel, per_stage, become) if mp.tp * mp.cp > 1 else None)
         for rank in range(world):
             become(rank, world)
             pp_rank = rank // per_stage
             if pp_rank not in held:
                 held[pp_rank] = _Held(meta, expansion, pipeline, pp_rank, holders)
                 tiling.expect(held[pp_rank])
-            state_dict = _rank_state_dict(held[pp_rank].tensors, meta, _Layout(parallel, world))
+            state_dict = _rank_state_dict(held[pp_rank].tensors, meta, _Layout(parallel, world, recorded))
             result, counts = _simulate_rank(rank, world, state_dict, meta, plan, held[pp_rank], options, device,
                                             tiling, replicated_names, record_runs)
             digests.append(_digest_of(state_dict, digest, meta))
@@ -329,7 +365,8 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
                       state_dict_seconds=round(state_dict_s, 4), index_seconds=index_s,
                       verify_seconds=verify_s,
                       layer_groups=dict(meta.members),
-                      stages=None if pipeline is None else _stage_work(meta, plan, pipeline, options, held))
+                      stages=None if pipeline is None else _stage_work(meta, plan, pipeline, options, held),
+                      model_parallel=mp)
 
 
 def _stage_work(meta: MetaModel, plan: ExportPlan, pipeline: Pipeline, options: ExportOptions,
@@ -519,13 +556,19 @@ def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], m
     out.local_seconds = seconds * held.scale
     counts = held.counts(rep_counts, expansion)
     files: set[str] = set()
-    for share in shares:
-        planned = plan.tensors[share.key]
-        positions = held.members[share.key]
+    # step._write: on a shared filesystem, row-parallel TP shares go through the exchange first
+    regular, exchanges = row_parallel_shares(shares, state_dict)
+    pieces = [(share, device) for share in regular] + [(_exchanged_rows(e, out, held.members[e.share.key], device),
+                                                         "cpu") for e in exchanges]
+    for piece, where in pieces:
+        if piece is None:
+            continue
+        planned = plan.tensors[piece.key]
+        positions = held.members[piece.key]
         n = len(positions)
         files.update(expansion.file_of[p] for p in positions)
-        tiling.add(share, held.pp_rank)
-        for offset, source in byte_runs(share, planned):
+        tiling.add(piece, held.pp_rank)
+        for offset, source in byte_runs(piece, planned):
             nbytes = source.numel() * planned.element_size
             out.runs += n
             out.bytes += n * nbytes
@@ -534,8 +577,9 @@ def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], m
                 out.byte_runs += [(expansion.file_of[p], expansion.planned_at[p].data_start + relative, nbytes)
                                   for p in positions]
             # writer._write_piece: a run is written straight from the tensor's memory when it is a
-            # CPU tensor in the stored dtype and contiguous; anything else is staged.
-            if device == "cuda" or source.dtype != planned.dtype or not source.is_contiguous():
+            # CPU tensor in the stored dtype and contiguous; anything else is staged. Exchanged rows
+            # are host tensors (gloo moves host memory).
+            if where == "cuda" or source.dtype != planned.dtype or not source.is_contiguous():
                 out.staged_bytes += n * nbytes
                 out.staged_chunks += n * math.ceil(nbytes / options.staging_bytes)
     out.elements = int(counts.sum())
@@ -545,6 +589,27 @@ def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], m
     mine = {name: state_dict[name] for name in replicated_names if name in state_dict}
     _add_replica_work(out, mine, meta, world, held)
     return out, counts
+
+
+def _exchanged_rows(exchange: Any, out: RankPlan, positions: list[int], device: str) -> Any:
+    """What ``row_exchange.write_exchanged_rows`` hands the writer for one row-parallel share (this
+    rank's part of the shared rows, every column; None when its part is empty), counting the bytes
+    it sends its peers and its all-to-all, once per member layer (``positions``)."""
+    from dataclasses import replace
+
+    share, tp, me = exchange.share, len(exchange.peers), exchange.me
+    rows, cols = share.tensor.shape
+    chunk, parts = row_parts(rows, tp)
+    esize, n = share.tensor.element_size(), len(positions)
+    out.row_exchanges += n
+    out.exchange_group = tp
+    out.exchanged_bytes += n * (rows - parts[me]) * cols * esize
+    host_copy = rows * cols * esize if device == "cuda" else 0  # .cpu() of a GPU share
+    out.exchange_peak_bytes = max(out.exchange_peak_bytes, host_copy + 2 * parts[me] * cols * tp * esize)
+    if not parts[me]:
+        return None
+    whole = torch.empty(parts[me], tp * cols, dtype=share.tensor.dtype, device="meta")
+    return replace(share, offsets=(share.offsets[0] + me * chunk, 0), tensor=whole)
 
 
 def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: MetaModel, world: int,

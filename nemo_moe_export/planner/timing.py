@@ -40,6 +40,13 @@ Assumptions:
   bookkeeping steps are. A rank's state dict and replica names scale with the share of the
   model its stages hold (the fullest pipeline rank's). Per pipeline rank the report gives the
   seconds its ranks alone take to write their bytes; the write step is the busiest node's.
+* **Row-parallel TP weights** (``export/row_exchange.py``) are exchanged in the write step before
+  they are written: the TP peers' gloo group is opened once (``(tp - 1) x group_connect_s``; it is
+  the stage peers' group when those are the same ranks), then one ``all_to_all_single`` per
+  row-parallel weight over the ``tp`` peers (``tp - 1`` pairwise hops at a vector all-reduce's hop)
+  and the bytes a rank sends (``RankPlan.exchanged_bytes``) at ``network_bandwidth``; the busiest
+  rank's exchange lengthens the write step. Its pieces are then written as whole rows (the write
+  model above counts their bytes like any other).
 * **A coordination group per export.** ``parallel.Coordinator`` opens a gloo group of its own for
   every export (its collectives honour the export's timeout), before the validate step: every
   rank connects to each of the others, ``(W - 1) x group_connect_s``, measured by
@@ -77,7 +84,7 @@ from dataclasses import asdict, dataclass
 
 __all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "OBJECT_GATHERS", "STAGE_AGREEMENTS",
            "STAGE_WORD_GATHERS", "TimeModel",
-           "all_reduce_hops", "collectives", "gather_hops", "poll_lateness", "predict"]
+           "all_reduce_hops", "collectives", "exchange_collectives", "gather_hops", "poll_lateness", "predict"]
 
 # Coordinator.agree calls (export/step.py): the end of validate, of the replica check ("validate
 # replicas"), prepare, headers, write, verify and publish.
@@ -168,12 +175,27 @@ def collectives(simulation, rank: int) -> list[tuple[str, int]]:
     peers'), ``agreement`` (a one-word all-reduce, ``Coordinator.agree``), ``word_all_reduce`` (the
     replica check's count of findings), ``vector_all_reduce`` (the coverage counts; a replica
     group's header and checksums) or ``object_gather`` (``Coordinator.all_gather``; under pipeline
-    stages also the catalogue merge's over the pipeline group); none when alone."""
+    stages also the catalogue merge's over the pipeline group), ``all_to_all`` (under TP, the
+    row-parallel exchange's, over the TP group); none when alone."""
     world = simulation.world_size
     if world == 1:
         return []
     return ([("group_setup", world)] + [("agreement", world)] * AGREEMENTS + [("object_gather", world)] * OBJECT_GATHERS
-            + _stage_collectives(simulation) + [("vector_all_reduce", world)] + _replica_collectives(simulation, rank))
+            + _stage_collectives(simulation) + [("vector_all_reduce", world)] + _replica_collectives(simulation, rank)
+            + exchange_collectives(simulation, rank))
+
+
+def exchange_collectives(simulation, rank: int) -> list[tuple[str, int]]:
+    """The row-parallel exchange's (``row_exchange.write_exchanged_rows``): the TP peers' gloo group
+    (``stages._peer_group``, shared with the stage peers' when they are the same ranks) and one
+    ``all_to_all`` per row-parallel weight over the TP group; none without TP."""
+    r = simulation.ranks[rank]
+    if not r.row_exchanges:
+        return []
+    work = getattr(simulation, "stages", None)
+    same_as_stage = work is not None and simulation.world_size // work.pipeline.pp_size == r.exchange_group
+    setup = [] if same_as_stage else [("group_setup", r.exchange_group)]
+    return setup + [("all_to_all", r.exchange_group)] * r.row_exchanges
 
 
 def _stage_collectives(simulation) -> list[tuple[str, int]]:
@@ -204,6 +226,10 @@ def _collective_seconds(kind: str, group: int, model: TimeModel) -> float:
         return gather_hops(group) * model.gather_hop_s
     if kind == "word_all_gather":  # one ring all-gather of a word: half an agreement's hops
         return (group - 1) * model.collective_latency_s
+    if kind == "all_to_all":  # gloo: a pairwise exchange with each peer in turn
+        return (group - 1) * model.vector_hop_s
+    if kind == "group_setup":
+        return (group - 1) * model.group_connect_s
     hop = model.vector_hop_s if kind == "vector_all_reduce" else model.collective_latency_s
     return all_reduce_hops(group) * hop
 
@@ -237,23 +263,36 @@ def predict(simulation, model: TimeModel) -> dict:
     solo["verify"] += simulation.verify_seconds
     files_s = sum(solo.values())
     late_s = sum(poll_lateness(t + word_s) for t in solo.values()) if world > 1 else 0.0
-    total = (setup_s + write_s + check_s + coverage_s + gathers_s + agree_s + validate_s + files_s + late_s
-             + sum(stages.values()))
+    exchange_s = max(_exchange_seconds(simulation, r.rank, model) for r in simulation.ranks)
+    total = (setup_s + write_s + exchange_s + check_s + coverage_s + gathers_s + agree_s + validate_s + files_s
+             + late_s + sum(stages.values()))
+    checksums_s = max(crowding * r.replica_bytes_checked / model.checksum_bandwidth for r in simulation.ranks)
+    # coordination: all but the writing, validate's rank-local compute, rank 0's file bookkeeping and
+    # the checksums (the side group's collectives, their polling, the pipeline's stage work)
+    coordination_s = total - write_s - validate_s - files_s - checksums_s
     steps = dict(validate=validate_s + check_s + coverage_s + gathers_s + VALIDATE_AGREEMENTS * word_s
                  + sum(stages.values()),
-                 write=write_s + word_s,
+                 write=write_s + exchange_s + word_s,
                  **{step: t + word_s + (poll_lateness(t + word_s) if world > 1 else 0.0) for step, t in solo.items()})
     out = dict(seconds=round(total, 4), coordinator_setup_s=round(setup_s, 4), write_s=round(write_s, 4),
                replica_check_s=round(check_s, 4), coverage_s=round(coverage_s, 4),
                object_gathers_s=round(gathers_s, 4), agreements_s=round(agree_s, 4),
                validate_compute_s=round(validate_s, 4), files_and_metadata_s=round(files_s, 4),
-               agreement_polling_s=round(late_s, 4),
+               agreement_polling_s=round(late_s, 4), row_exchange_s=round(exchange_s, 4),
+               coordination_s=round(coordination_s, 4),
+               coordination_share=round(coordination_s / total, 4) if total else 0.0,
                steps={k: round(v, 4) for k, v in steps.items()}, crowding=round(crowding, 3), nodes=len(nodes),
                busiest_node_bytes=max(nodes.values()), assumptions=asdict(model))
     if simulation.stages is not None:
         out["pipeline"] = dict({k: round(v, 4) for k, v in stages.items()},
                                by_pipeline_rank=_pipeline_rank_seconds(simulation, model))
     return out
+
+
+def _exchange_seconds(simulation, rank: int, model: TimeModel) -> float:
+    """The row-parallel exchange on ``rank``: its collectives and the bytes it sends."""
+    sent = simulation.ranks[rank].exchanged_bytes / model.network_bandwidth
+    return sent + sum(_collective_seconds(kind, g, model) for kind, g in exchange_collectives(simulation, rank))
 
 
 def _write_seconds(ranks, model: TimeModel) -> tuple[float, dict[int, int]]:

@@ -109,6 +109,7 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
     _positive("parallel.replicate", parallel.replicate)
     _positive("parallel.pp_size", parallel.pp_size)
     _positive("parallel.stages_per_rank", parallel.stages_per_rank)
+    _check_model_parallel(parallel)
     if world_size is None:
         return  # one process: nothing is sharded (trainer.shard_model)
     stage_ranks = _check_pipeline(parallel, model, world_size)
@@ -129,6 +130,21 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
                 "the expert count must divide by the expert-parallel size", key="parallel.ep_size",
                 expected=f"a divisor of model.n_experts={model.n_experts} and of {world_size} ranks: {fits}",
                 actual=ep, hint=f"or make model.n_experts a multiple of {ep}")
+
+
+def _check_model_parallel(parallel: Any) -> None:
+    """TP, CP, expert TP and sequence parallelism are the planner's (``nemo-moe-export plan``) for
+    now: the recipe builds none of those meshes, so it refuses them rather than run without them."""
+    for name in ("tp_size", "cp_size", "etp_size"):
+        _positive(f"parallel.{name}", getattr(parallel, name))
+        if getattr(parallel, name) != 1:
+            raise ExportInputError("the recipe does not run this kind of parallelism", key=f"parallel.{name}",
+                                   expected=1, actual=getattr(parallel, name),
+                                   hint="plan such a job with `nemo-moe-export plan --tp/--cp/--etp`; torch TP "
+                                        "models export through nemo_moe_export.recipe.tensor_parallel")
+    if parallel.sequence_parallel:
+        raise ExportInputError("the recipe does not run sequence parallelism", key="parallel.sequence_parallel",
+                               expected=False, actual=True, hint="plan such a job with `nemo-moe-export plan --sp`")
 
 
 def _of_a_stage(parallel: Any) -> str:
