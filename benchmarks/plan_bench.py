@@ -6,11 +6,11 @@ For each world size, on the same model and layout (docs/design.md#planner):
    rank's byte runs; the checksum bandwidth (``replicas.checksum``, one process) is measured;
 2. ``W`` gloo ranks (``spawn``) build the model, sharded by ``recipe/trainer.shard_model``, and
    measure what the time model takes, the way it assumes it, among themselves: the latency of
-   each kind of collective the export makes (an agreement, ``Coordinator.agree``; an object
-   all-gather, ``Coordinator.all_gather``; an all-reduce of the coverage vector,
-   ``Coordinator.all_reduce_sum``), each as its median seconds over its ring's hops
-   (``timing.all_reduce_hops`` / ``gather_hops``), and the opening of a Coordinator's own group
-   over ``W - 1`` peers; and the node's write bandwidth: every rank
+   each kind of collective the export makes (an agreement, ``Coordinator.agree``, over its
+   butterfly's rounds; on gloo rings as the model's groups run the replica check, a vector
+   all-reduce and an object all-gather, over their hops: ``timing.all_reduce_hops`` /
+   ``gather_hops``), and a new Coordinator group's connections (``butterfly_rounds(W)`` of them);
+   and the node's write bandwidth: every rank
    pwrites its planned byte runs into the plan's files (created at full size first, as the
    headers step does) from memory of its own, in the writer's slices with early writeback
    (``writer._write_and_release``), then fsyncs; bandwidth = bytes / (last fsync - first start);
@@ -156,14 +156,15 @@ def measure_file_op(directory: str, rounds: int = 20) -> float:
 
 
 def measure_group_setup(rounds: int = 5) -> float:
-    """On this rank, the median seconds a new ``Coordinator`` (its own gloo group, as every export
-    opens one) takes to build and agree once, less a warm agreement on it."""
+    """On this rank, the median seconds a new ``Coordinator`` on a new group (a job's first:
+    ``collectives.gloo_group``, connected lazily) takes to build and agree once, less a warm
+    agreement on it."""
     from nemo_moe_export.parallel import Coordinator
 
     times = []
     for i in range(rounds):
         started = time.perf_counter()
-        coordinator = Coordinator(timeout_s=60, name=f"setup{i}")
+        coordinator = Coordinator(timeout_s=61 + i, name=f"setup{i}")  # a timeout of its own: a new group
         coordinator.agree("first")
         first = time.perf_counter() - started
         warm = []
@@ -177,17 +178,23 @@ def measure_group_setup(rounds: int = 5) -> float:
 
 def measure_collectives(tensors: int, rounds: int = 40) -> dict[str, float]:
     """On this rank, the median seconds of each kind of collective the export makes, taken in
-    turn as the export takes them (an agreement, an object all-gather of a digest's length, an
-    all-reduce of ``tensors`` int64 counts), after ten rounds that connect and warm up."""
+    turn (an agreement on the Coordinator's butterfly; on the world's gloo ring, as the model's own
+    groups run the replica check, an all-reduce of ``tensors`` int64 counts and an object all-gather
+    of a digest's length), after ten rounds that connect and warm up."""
     import torch
+    import torch.distributed as dist
 
     from nemo_moe_export.parallel import Coordinator
 
     coordinator = Coordinator(timeout_s=60, name="latency")
     counts = torch.ones(tensors, dtype=torch.int64)
-    kinds = dict(agreement=lambda i: coordinator.agree(f"round {i}"),
-                 object_gather=lambda i: coordinator.all_gather(f"{i:064d}"),
-                 vector_all_reduce=lambda i: coordinator.all_reduce_sum(counts.clone()))
+
+    def gather(i):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, f"{i:064d}")
+
+    kinds = dict(agreement=lambda i: coordinator.agree(f"round {i}"), object_gather=gather,
+                 vector_all_reduce=lambda i: dist.all_reduce(counts.clone()))
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(rounds + 10):
         for kind, run in kinds.items():
@@ -346,6 +353,7 @@ def run_world(args, world: int) -> dict:
     from nemo_moe_export.config import ParallelConfig
     from nemo_moe_export.export.options import ExportOptions
     from nemo_moe_export.planner import TimeModel, build_meta_model, predict, simulate
+    from nemo_moe_export.collectives import butterfly_rounds
     from nemo_moe_export.planner.timing import all_reduce_hops, gather_hops
     from nemo_moe_export.spawn import spawn
 
@@ -371,10 +379,11 @@ def run_world(args, world: int) -> dict:
                              - min(r["bandwidth_times"][i][0] for r in per_rank)) for i in range(args.repeat)]
     bandwidth = statistics.median(bandwidths)
     file_op = statistics.median(per_rank[0]["file_ops"])
-    # each kind's latency: the slowest rank's median, over the kind's hops among W ranks
+    # each kind's latency: the slowest rank's median, over the kind's hops (the butterfly's rounds and
+    # connections) among W ranks
     latency = {k: max(r["latencies"][k] for r in per_rank) for k in per_rank[0]["latencies"]}
-    hops = dict(agreement=all_reduce_hops(world), vector_all_reduce=all_reduce_hops(world),
-                object_gather=gather_hops(world), group_setup=world - 1)
+    hops = dict(agreement=butterfly_rounds(world), vector_all_reduce=all_reduce_hops(world),
+                object_gather=gather_hops(world), group_setup=butterfly_rounds(world))
     per_hop = {k: latency[k] / hops[k] if hops[k] else 0.0 for k in latency}
     model = TimeModel(bandwidth, ranks_per_node=world, checksum_bandwidth=checksum_bw,
                       collective_latency_s=per_hop["agreement"], vector_hop_s=per_hop["vector_all_reduce"],

@@ -12,9 +12,10 @@ timeout (cost growing like log W), so that:
   collectives, can :meth:`Coordinator.leave` instead of agreeing: it reports through the store and
   raises at once, and its peers name it at their next agreement.
 
-Coordination runs on a gloo group (a side group when the default backend is NCCL), because gloo
-honours timeouts on CPU; a broken agreement is diagnosed through the rendezvous store, which
-outlives the group (docs/design.md#coordination-protocol).
+Coordination runs on a gloo group (a side group made once per job, connected lazily, when the
+group given is not gloo), because gloo honours timeouts on CPU; its all-reduces are butterflies,
+``log2 W`` exchanges (``collectives.py``). A broken agreement is diagnosed through the rendezvous
+store, which outlives the group (docs/design.md#coordination-protocol).
 
 :class:`ParallelLayout` / :func:`discover_layout` say which ranks share a data-parallel,
 expert-parallel and expert-data-parallel group (from Megatron, a named DeviceMesh or the plain
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_moe_export.collectives import all_same, butterfly_all_reduce, fingerprint_words, forget_gloo_group, gloo_group
 from nemo_moe_export.errors import ExportInputError
 
 __all__ = [
@@ -126,6 +129,31 @@ _REPORT_GRACE_S = 5.0  # how long survivors wait for each other's reports once a
 # answer its alarm within about a second; peers blocked in a collective that needs it cannot answer
 # before its process ends, which its waiting only delays.
 _LEAVE_GRACE_S = 2.0
+# How long rank 0, when its process hosts the store (launched like srun), stays after reading the
+# reports, so the survivors that read them at the same deadline find the store still there.
+_HOST_LINGER_S = 1.0
+
+
+class _Background(threading.Thread):
+    """``fn(*args)`` in a daemon thread; :meth:`wait` returns as soon as it ended. A call that never
+    ends (a peer died mid-exchange) is left to the gloo group's own timeout."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        super().__init__(daemon=True)
+        self._call, self._done, self.error = (fn, args), threading.Event(), None
+        self.start()
+
+    def run(self) -> None:
+        fn, args = self._call
+        try:
+            fn(*args)
+        except BaseException as exc:  # handed to the waiting thread
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s)
 
 
 class _Incomplete(Exception):
@@ -150,8 +178,8 @@ def _first_line(exc: BaseException) -> str:
 class Coordinator:
     """Step-by-step agreement between the ranks of ``group`` (default: the world), under a timeout.
 
-    Each :meth:`agree` is one all-reduce of a status word (how many ranks failed the step), whose
-    cost grows like log W; only when some rank failed are the failures' messages gathered, so every
+    Each :meth:`agree` is one all-reduce of a status word (how many ranks failed the step, and any
+    words the step shares), a butterfly of ``log2 W`` exchanges; only when some rank failed are the failures' messages gathered, so every
     rank's error carries every failing rank's original exception. When the all-reduce itself cannot
     finish (a rank died, stalls, or the group broke) the survivors diagnose through the rendezvous
     store instead of the broken group and name the ranks that sent no report, on every survivor
@@ -167,10 +195,11 @@ class Coordinator:
         self.group = group
         self._broken_at: str | None = None
         if self.active and (group is None or dist.get_backend(group) != "gloo"):
-            # A side gloo group: CPU collectives that honour our timeout, also beside NCCL. Like any
-            # new_group, every rank of the world must construct the Coordinator.
-            ranks = None if group is None else dist.get_process_group_ranks(group)
-            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=self.timeout)
+            # A gloo side group over the same ranks, made once per job (collectives.gloo_group): CPU
+            # collectives that honour our timeout, also beside NCCL, connected only where used. Like
+            # any new_group, every rank of the world constructs the job's first Coordinator of a group.
+            ranks = None if group is None else tuple(dist.get_process_group_ranks(group))
+            self.group = gloo_group(ranks, self.timeout)
         self._reports = _StoreReports(self) if self.active else None
 
     def global_rank(self, group_rank: int) -> int:
@@ -178,24 +207,48 @@ class Coordinator:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
-    def agree(self, step: str, error: BaseException | None = None) -> None:
-        """Every rank calls this after ``step``; raises on every rank unless all succeeded in time."""
+    def agree(self, step: str, error: BaseException | None = None, *,
+              sums: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Every rank calls this after ``step``; raises on every rank unless all succeeded in time.
+
+        ``sums`` (int64 words) ride on the same all-reduce: their sum over the ranks is returned
+        once every rank succeeded (a rank that failed sends zeros). Checks that compare or count
+        across ranks share the agreement this way instead of paying a collective each."""
+        words = torch.zeros(1 + (0 if sums is None else sums.numel()), dtype=torch.int64)
+        words[0] = 0 if error is None else 1
+        if sums is not None and error is None:
+            words[1:] = sums.reshape(-1)
         if not self.active:
             if error is not None:
                 raise PeerError(f"{self.name} step '{step}' failed on rank {self.rank}: {_describe(error)}",
                                 step=step, ranks=[self.rank]) from error
-            return
+            return None if sums is None else words[1:].reshape(sums.shape)
+        self._reduce_in_time(step, words, "sum", error)
+        if int(words[0]) != 0:
+            raise self._failure(step, error)
+        return None if sums is None else words[1:].reshape(sums.shape)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", *, step: str = "all-reduce") -> torch.Tensor:
+        """Reduce a CPU tensor over the group in place (``op``: sum, max or min; log2 W rounds,
+        under the coordinator's timeout); every rank gets the same bits. Returns it."""
+        if self.active:
+            self._reduce_in_time(step, tensor, op, None)
+        return tensor
+
+    def all_reduce_sum(self, tensor: Any) -> Any:
+        """Sum a CPU tensor over the group (under the coordinator's timeout)."""
+        return self.all_reduce(tensor, "sum")
+
+    def _reduce_in_time(self, step: str, tensor: torch.Tensor, op: str, error: BaseException | None) -> None:
         if self._broken_at is not None:
             raise PeerError(f"{self.name} step '{step}': coordination already broke at step '{self._broken_at}'",
                             step=step, ranks=[])
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int64)
         try:
-            self._all_reduce_in_time(failed)
+            self._all_reduce_in_time(tensor, op)
         except _Incomplete as incomplete:
             self._broken_at = step
+            forget_gloo_group(self.group)  # its pairs may hold this agreement's stray messages
             raise self._reports.diagnose(step, error, incomplete) from (error or incomplete.cause)
-        if int(failed) != 0:
-            raise self._failure(step, error)
 
     def leave(self, step: str, error: BaseException) -> PeerError:
         """The error to raise on a rank that failed inside a collective step and will not attend
@@ -219,30 +272,33 @@ class Coordinator:
         head = f"{self.name} step '{step}' failed on rank {me}, which left without agreeing"
         return self._reports.diagnose(step, error, leaving, grace_s=_LEAVE_GRACE_S, head=head)
 
-    def _all_reduce_in_time(self, status: torch.Tensor) -> None:
-        """Sum ``status`` over the group, or raise ``_Incomplete`` at the timeout, on a broken
-        connection, or as soon as a peer reports (through the store) that this agreement broke."""
+    def _all_reduce_in_time(self, tensor: torch.Tensor, op: str) -> None:
+        """Reduce ``tensor`` over the group, or raise ``_Incomplete`` at the timeout, on a broken
+        connection, or as soon as a peer reports (through the store) that this agreement broke.
+
+        The all-reduce runs in a helper thread (:class:`_Background`) and this thread waits on its
+        completion, woken the moment it ends: no polling delay. Only a slow agreement looks at the
+        store, and then rarely (W ranks polling one store)."""
         self._reports.next_agreement()
-        work = dist.all_reduce(status, group=self.group, async_op=True)
+        done = _Background(butterfly_all_reduce, tensor, self.group, op)
         started = time.monotonic()
-        pause, next_alarm_check = 1e-4, started + _ALARM_CHECK_AFTER_S
-        while not work.is_completed():
-            now = time.monotonic()
-            if now - started >= self.timeout.total_seconds():
+        deadline = started + self.timeout.total_seconds()
+        wait_s = _ALARM_CHECK_AFTER_S
+        while not done.wait(min(wait_s, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
                 raise _Incomplete(self._late())
-            if now >= next_alarm_check:
+            try:
                 alarm = self._reports.alarm()
-                if alarm is not None:
-                    raise _Incomplete(alarm)
-                next_alarm_check = now + _ALARM_CHECK_EVERY_S
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        try:
-            work.wait()
-        except RuntimeError as exc:  # gloo's own timeout (the group's is ours), or a closed connection
-            if "Timed out" in str(exc):
-                raise _Incomplete(self._late(), cause=exc) from exc
-            raise _Incomplete(f"the agreement collective broke ({_first_line(exc)})", cause=exc) from exc
+            except Exception as exc:  # the store's host died (rank 0 when launched like srun)
+                raise _Incomplete(f"the rendezvous store stopped answering ({_first_line(exc)})", cause=exc) from exc
+            if alarm is not None:
+                raise _Incomplete(alarm)
+            wait_s = _ALARM_CHECK_EVERY_S
+        if done.error is not None:  # gloo's own timeout (the group's is ours), or a closed connection
+            if "Timed out" in str(done.error):
+                raise _Incomplete(self._late(), cause=done.error) from done.error
+            raise _Incomplete(f"the agreement collective broke ({_first_line(done.error)})",
+                              cause=done.error) from done.error
 
     def _late(self) -> str:
         return f"not every rank arrived within {self.timeout.total_seconds():.0f} s"
@@ -264,13 +320,18 @@ class Coordinator:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def require_same(self, what: str, value: Any, *, key: str, hint: str | None = None) -> None:
+    def require_same(self, what: str, value: Any, *, key: str, hint: str | None = None,
+                     summed: torch.Tensor | None = None) -> None:
         """Refuse, on every rank, unless every rank computed the same ``value`` (a plan digest, a
         fingerprint): ranks that built different plans would otherwise drift out of step or write
-        different bytes. The error names which ranks hold which value."""
-        values = self.all_gather(value)
-        if len(set(values)) <= 1:
+        different bytes. Compared through a fixed-size sum (``collectives.fingerprint_words``; pass
+        ``summed`` when those words already rode on an agreement); only when they differ are the
+        values gathered, so the error names which ranks hold which value."""
+        if summed is None:
+            summed = self.all_reduce(fingerprint_words(value), step=f"compare {what}")
+        if not self.active or all_same(summed, self.world_size):
             return
+        values = self.all_gather(value)
         by_value: dict[Any, list[int]] = {}
         for r, v in enumerate(values):
             by_value.setdefault(v, []).append(self.global_rank(r))
@@ -279,12 +340,6 @@ class Coordinator:
             actual="; ".join(f"ranks {ranks}: {v}" for v, ranks in by_value.items()),
             hint=hint or "every rank must run the same model, data and options",
         )
-
-    def all_reduce_sum(self, tensor: Any) -> Any:
-        """Sum a CPU tensor over the group (gloo, under the coordinator's timeout)."""
-        if self.active:
-            dist.all_reduce(tensor, group=self.group)
-        return tensor
 
 
 def _store_hosted_by_rank0(store: Any) -> bool:
@@ -363,14 +418,19 @@ class _StoreReports:
             store.set(self._key("alarm"), incomplete.alarm or f"rank {self.me} found this agreement broken: "
                                                               f"{incomplete.reason}")
         count = store.add(self._key("reported"), 1)
-        deadline = time.monotonic() + grace_s
+        # One deadline for every survivor, the first one's (wall clock): a survivor that noticed
+        # late still reads the reports before the others, the store's host among them, move on.
+        deadline = float(store.compare_set(self._key("deadline"), "", repr(time.time() + grace_s)).decode())
         world = self.coordinator.world_size
-        while count < world and time.monotonic() < deadline:
+        while count < world and time.time() < deadline:
             time.sleep(0.05)
             count = store.add(self._key("reported"), 0)
         everyone = [self.coordinator.global_rank(r) for r in range(world)]
         keys = {r: self._key("report", r) for r in everyone}
-        return {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        reports = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
+        if self.me == 0 and _store_hosted_by_rank0(store):  # its store ends with its process
+            time.sleep(_HOST_LINGER_S)
+        return reports
 
 
 # --------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from nemo_moe_export.spawn import spawn
 
 STALL_TIMEOUT_S = 2.0
@@ -64,6 +66,18 @@ def test_failures_and_stalls_are_named_on_every_rank():
     assert late["ranks"] == [1] and "arrived after its peers had given up" in late["message"], late
 
 
+def test_fingerprint_words_summed_over_ranks_tell_equal_values_from_different_ones():
+    from nemo_moe_export.collectives import all_same, butterfly_rounds, fingerprint_words
+
+    def summed(values):
+        return sum(fingerprint_words(v) for v in values)
+
+    assert all_same(summed(["plan-a"] * 1024), 1024)
+    assert not all_same(summed(["plan-a"] * 1023 + ["plan-b"]), 1024)
+    assert not all_same(summed(["plan-a", "plan-b"]), 2)
+    assert [butterfly_rounds(w) for w in (1, 2, 3, 4, 5, 8, 1000, 1024)] == [0, 1, 3, 2, 4, 3, 11, 10]
+
+
 # --------------------------------------------------------------------------------------------------
 # A rank killed in the export's write step, launched like srun (no torchrun: rank 0 hosts the store)
 # --------------------------------------------------------------------------------------------------
@@ -76,12 +90,14 @@ _KILLED_WORKER = textwrap.dedent("""
     from nemo_moe_export.tiny_models import tiny_model
 
     rank, victim, target, report = int(os.environ["RANK"]), int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    delay = float(sys.argv[4])  # seconds into the write step
     dist.init_process_group("gloo")
     model = tiny_model("qwen3_moe", n_experts=4)
     real_write = SharedFilesystemWriter.write
 
     def write(self, *args, **kwargs):
-        if rank == victim:
+        if rank == victim:  # killed as its write starts, or `delay` seconds into it (its peers wait)
+            time.sleep(delay)
             os.kill(os.getpid(), signal.SIGKILL)
         with open(report + ".fault", "w") as f:
             f.write(str(time.time()))
@@ -105,14 +121,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_like_srun(tmp_path, victim: int, world: int = 4) -> list[dict | None]:
+def _launch_like_srun(tmp_path, victim: int, world: int = 4, delay: float = 0.0) -> list[dict | None]:
     script = tmp_path / "worker.py"
     script.write_text(_KILLED_WORKER)
     report = str(tmp_path / "report")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    procs = [subprocess.Popen([sys.executable, str(script), str(victim), str(tmp_path / "hf"), report],
+    procs = [subprocess.Popen([sys.executable, str(script), str(victim), str(tmp_path / "hf"), report, str(delay)],
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path)
              for r in range(world)]
     for p in procs:
@@ -144,8 +160,9 @@ def test_a_killed_rank_is_named_by_every_survivor(tmp_path):
     assert [n for n in os.listdir(tmp_path) if n.startswith(".hf")] == []
 
 
-def test_a_killed_rank_0_is_named_although_it_hosted_the_store(tmp_path):
-    outcomes = _launch_like_srun(tmp_path, victim=0)
+@pytest.mark.parametrize("delay", [0.0, 0.3], ids=["at_write", "0.3s_into_write"])
+def test_a_killed_rank_0_is_named_although_it_hosted_the_store(tmp_path, delay):
+    outcomes = _launch_like_srun(tmp_path, victim=0, delay=delay)
     for rank in (1, 2, 3):
         outcome = outcomes[rank]
         assert outcome is not None and outcome["step"] == "write", outcome

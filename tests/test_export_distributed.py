@@ -215,8 +215,18 @@ def _disagreeing_worker(rank, world, workdir):
     from nemo_moe_export.export import export_hf_checkpoint
     from nemo_moe_export.tiny_models import tiny_model
 
+    import torch
+
+    from nemo_moe_export.parallel import Coordinator
+
+    # The coordinator's butterfly on 3 ranks (not a power of two: rank 2 folds into rank 0): the
+    # same bits on every rank, and words shared on an agreement summed
+    coordinator = Coordinator(None, timeout_s=60, name="butterfly")
+    values = torch.tensor([0.1 * (rank + 1), 1e16 if rank == 0 else 1.0, -rank], dtype=torch.float64)
+    out = dict(sum=coordinator.all_reduce(values.clone()).tolist(),
+               max=coordinator.all_reduce(values.clone(), "max").tolist(),
+               shared=coordinator.agree("count", sums=torch.tensor([rank, 1])).tolist())
     model = tiny_model("qwen3_moe", n_experts=4)
-    out = {}
     try:  # rank 1 plans other file sizes than its peers
         export_hf_checkpoint(os.path.join(workdir, "plans"), model, max_shard_size="16KB" if rank == 1 else "32KB",
                              timeout_s=60)
@@ -238,6 +248,10 @@ def _disagreeing_worker(rank, world, workdir):
 
 def test_different_plans_and_missing_writers_are_refused_on_every_rank(tmp_path):
     per_rank = spawn(_disagreeing_worker, 3, str(tmp_path), timeout_s=300)
+    assert all(r["sum"] == per_rank[0]["sum"] for r in per_rank), per_rank  # bitwise, floats included
+    assert per_rank[0]["sum"] == pytest.approx([0.6, 1e16 + 2, -3], rel=1e-15)
+    assert all(r["max"] == [0.30000000000000004, 1e16, 0.0] for r in per_rank)
+    assert all(r["shared"] == [3, 3] for r in per_rank)
     plans = [r["plans"] for r in per_rank]
     assert all(p == plans[0] for p in plans), plans  # the same verdict everywhere
     assert plans[0]["problem"] == "ranks computed different export plans" and plans[0]["key"] == "plan"

@@ -191,9 +191,14 @@ class _CollectiveLog:
     def __enter__(self):
         import torch.distributed as dist
 
+        from nemo_moe_export import collectives, parallel
+
+        collectives._GROUPS.clear()  # every export here is its job's first: it makes its gloo groups
         self.calls, self.saved = [], {n: getattr(dist, n) for n in self.NAMES}
         for name, fn in self.saved.items():
             setattr(dist, name, self._logged(name, fn))
+        self.butterfly = parallel.butterfly_all_reduce  # the Coordinator's all-reduce (point-to-point sends)
+        parallel.butterfly_all_reduce = self._logged("butterfly", self.butterfly)
         return self
 
     def _logged(self, name, fn):
@@ -201,7 +206,9 @@ class _CollectiveLog:
 
         def call(*args, **kwargs):
             tensor = next((a for a in args[:2] if torch.is_tensor(a)), None)  # all_gather's input is second
-            if name == "new_group":  # a gloo group opened: its size is its ranks' (None: the world)
+            if name == "butterfly":  # (tensor, group, op)
+                size = dist.get_world_size(args[1])
+            elif name == "new_group":  # a gloo group opened: its size is its ranks' (None: the world)
                 ranks = kwargs.get("ranks", args[0] if args else None)
                 size = len(ranks) if ranks is not None else dist.get_world_size()
             else:
@@ -213,8 +220,11 @@ class _CollectiveLog:
     def __exit__(self, *exc):
         import torch.distributed as dist
 
+        from nemo_moe_export import parallel
+
         for name, fn in self.saved.items():
             setattr(dist, name, fn)
+        parallel.butterfly_all_reduce = self.butterfly
 
 
 def _real_exports(world, workdir):
@@ -280,12 +290,10 @@ def _model_parallel_model(parallel, family):
 
 def _real_model_parallel_exports(world, workdir):
     from nemo_moe_export.export import export_hf_checkpoint
-    from nemo_moe_export.export import stages
 
     out = {}
     for name, parallel, dtype in MP_REAL:
         model = _model_parallel_model(ParallelConfig(**parallel), _family(name))
-        stages._PEER_GROUPS.clear()  # the TP peers' group is opened once per job: each is a job's first export
         with _CollectiveLog() as log:
             result = export_hf_checkpoint(os.path.join(workdir, f"{name}-{world}"), model, dtype=dtype,
                                           max_shard_size="40KB")
@@ -309,12 +317,10 @@ def _stage_parts(parallel, world):
 
 def _real_pipeline_exports(world, workdir):
     from nemo_moe_export.export import export_hf_checkpoint
-    from nemo_moe_export.export import stages
 
     out = {}
     for name, parallel, dtype in PP_REAL:
         parts, pp_group = _stage_parts(ParallelConfig(**parallel), world)
-        stages._PEER_GROUPS.clear()  # the stage peers' group is opened once per job: each is a job's first export
         with _CollectiveLog() as log:
             result = export_hf_checkpoint(os.path.join(workdir, f"{name}-{world}"), parts, pp_group=pp_group,
                                           dtype=dtype, max_shard_size="40KB")
@@ -391,8 +397,9 @@ def test_planner_equals_what_the_real_export_writes(tmp_path, real_exports, worl
 
 
 def _collective_kinds(calls):
-    """What the time model counts, from the calls the real export made: one-word all-reduces
-    (agreements and the findings count), vector all-reduces by group size, object all-gathers."""
+    """What the time model counts, from the calls the real export made: the Coordinator's butterfly
+    all-reduces (agreements included), the model groups' all-reduces by group size, object
+    all-gathers, groups made, all-to-alls."""
     kinds = []
     for name, numel, group in calls:
         kind = {"all_reduce": "word" if numel == 1 else "vector", "all_gather_object": "object_gather",
@@ -405,7 +412,7 @@ def _collective_kinds(calls):
 def _planned_kinds(sim, rank):
     from nemo_moe_export.planner.timing import collectives
 
-    merge = {"agreement": "word", "word_all_reduce": "word", "vector_all_reduce": "vector"}
+    merge = {"agreement": "butterfly", "vector_all_reduce": "vector"}
     return sorted((merge.get(kind, kind), group) for kind, group in collectives(sim, rank))
 
 

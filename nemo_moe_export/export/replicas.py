@@ -10,13 +10,14 @@ update is the known case); an export that writes one holder's copy then says not
    CP copies: ``layout.unsplit_model_parallel_dims``), and the export group for a plain tensor
    (FSDP2 buffers such as ``e_score_correction_bias``, the dense part under EP). Pure apart from
    reading the groups' ranks.
-2. :func:`check_replicas` runs, per group and in one global order (sorted by the group's ranks,
+2. :func:`compare_replicas` runs, per group and in one global order (sorted by the group's ranks,
    so no two ranks wait on each other crosswise), a header all-reduce (how many tensors, which)
    and one batched all-reduce of exact checksums (``checksum``: integer sums of each tensor's bits
    with position weights, on the tensor's device), MAX of ``[c, ~c]`` giving max and min at once.
    Only tensors whose checksums differ get the exact max |difference| (MAX/MIN all-reduce of the
    values) and the holders split into ranks with equal copies (a small all-gather).
-3. Under ``replica_mismatch="error"`` the findings, shared over the export group, refuse the export
+3. :func:`settle_findings`: under ``replica_mismatch="error"`` the findings, shared over the export
+   group when their count (summed on the export's agreement) is not zero, refuse the export
    on every rank with the same :class:`ExportInputError`; ``"mean"`` writes the replicas' mean (a
    float64 all-reduce), ``"rank:N"`` global rank N's copy (a broadcast); each reconciled key is
    reported. The model's own tensors are never changed: reconciled copies are new tensors.
@@ -38,7 +39,8 @@ from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.layout import unsplit_model_parallel_dims
 from nemo_moe_export.parallel import Coordinator
 
-__all__ = ["ReplicaReport", "ReplicaSet", "check_replicas", "checksum", "replica_sets", "with_copies"]
+__all__ = ["ReplicaReport", "ReplicaSet", "checksum", "compare_replicas", "replica_sets", "settle_findings",
+           "with_copies"]
 
 _ROW = 512  # words per checksum row: row and column weights locate every word
 
@@ -145,12 +147,16 @@ def _comm_device(group: Any, tensor: torch.Tensor) -> torch.device:
     return torch.device("cpu") if "gloo" in str(dist.get_backend(group)) else tensor.device
 
 
-def _min_max(values: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elementwise max and min over ``group`` in one all-reduce: MAX of ``[v, flip(v)]``, where
-    ``flip`` reverses the order without overflow (``-v`` for floats, ``~v = -v - 1`` for integers)."""
+def _min_max(values: torch.Tensor, entry: ReplicaSet, coordinator: Coordinator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise max and min over the group in one all-reduce: MAX of ``[v, flip(v)]``, where
+    ``flip`` reverses the order without overflow (``-v`` for floats, ``~v = -v - 1`` for integers).
+    Over the export group through the coordinator (log2 W rounds, under its timeout)."""
     flip = torch.neg if values.is_floating_point() else torch.bitwise_not
     both = torch.cat([values, flip(values)])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if entry.export_group:
+        coordinator.all_reduce(both, "max", step="validate replicas")
+    else:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=entry.group)
     n = values.numel()
     return both[:n], flip(both[n:])
 
@@ -166,21 +172,22 @@ class _Finding:
     refusal: str | None = None  # why it could not be reconciled
 
 
-def _check_set(entry: ReplicaSet, current: dict[str, torch.Tensor], policy: str, report: ReplicaReport
-               ) -> list[_Finding]:
+def _check_set(entry: ReplicaSet, current: dict[str, torch.Tensor], policy: str, report: ReplicaReport,
+               coordinator: Coordinator) -> list[_Finding]:
     """The collectives of one replica group; every member takes the same path (verdicts are
     all-reduced). Reconciled copies replace entries of ``current``."""
     locals_ = [_local(current[name]) for name in entry.names]
     device = _comm_device(entry.group, locals_[0])
     fingerprint = zlib.crc32("\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in zip(entry.names, locals_))
                              .encode())
-    high, low = _min_max(torch.tensor([len(locals_), fingerprint], dtype=torch.int64, device=device), entry.group)
+    high, low = _min_max(torch.tensor([len(locals_), fingerprint], dtype=torch.int64, device=device), entry,
+                         coordinator)
     if not torch.equal(high, low):
         return [_Finding(entry.names[0], entry.ranks, [], None, problem="layout")]
     sums = torch.stack([checksum(t) for t in locals_]).to(device)
     report.tensors += len(locals_)
     report.bytes_checked += sum(t.numel() * t.element_size() for t in locals_)
-    high, low = _min_max(sums.reshape(-1), entry.group)
+    high, low = _min_max(sums.reshape(-1), entry, coordinator)
     differing = (high != low).reshape(-1, 3).any(dim=1).nonzero().flatten().tolist()
     if not differing:
         return []
@@ -188,7 +195,7 @@ def _check_set(entry: ReplicaSet, current: dict[str, torch.Tensor], policy: str,
     findings = []
     for i, holders in zip(differing, copies):
         name = entry.names[i]
-        finding = _Finding(name, entry.ranks, holders, _max_abs_diff(locals_[i], entry.group, device))
+        finding = _Finding(name, entry.ranks, holders, _max_abs_diff(locals_[i], entry, coordinator, device))
         if policy != "error":
             _reconcile(finding, current, entry, policy, device)
         findings.append(finding)
@@ -217,8 +224,8 @@ def _wide(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.detach().to(device=device, dtype=torch.float64 if tensor.is_floating_point() else torch.int64)
 
 
-def _max_abs_diff(tensor: torch.Tensor, group: Any, device: torch.device) -> float:
-    high, low = _min_max(_wide(tensor, device).reshape(-1), group)
+def _max_abs_diff(tensor: torch.Tensor, entry: ReplicaSet, coordinator: Coordinator, device: torch.device) -> float:
+    high, low = _min_max(_wide(tensor, device).reshape(-1), entry, coordinator)
     return float((high - low).abs().max()) if high.numel() else 0.0
 
 
@@ -253,28 +260,33 @@ def _with_local(tensor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
                               shape=tensor.shape, stride=tensor.stride())
 
 
-def check_replicas(sets: list[ReplicaSet], tensors: Mapping[str, torch.Tensor], coordinator: Coordinator,
-                   policy: str) -> tuple[dict[str, torch.Tensor], ReplicaReport]:
-    """Compare every replica group's copies; returns the tensors to write (reconciled copies in
-    place of differing ones under ``policy`` "mean" / "rank:N") and the report. Collective over the
-    export group: refuses on every rank alike when replicas differ and may not (or cannot) be
-    reconciled."""
+def compare_replicas(sets: list[ReplicaSet], tensors: Mapping[str, torch.Tensor], coordinator: Coordinator,
+                     policy: str) -> tuple[dict[str, torch.Tensor], ReplicaReport, list[_Finding]]:
+    """Compare every replica group's copies: the tensors to write (reconciled copies in place of
+    differing ones under ``policy`` "mean" / "rank:N"), the report, and this rank's findings. Each
+    group's verdict is known to its members only: :func:`settle_findings` shares them, after the
+    count of findings has been summed over the export group (the caller's agreement carries it)."""
     started = time.perf_counter()
     report = ReplicaReport(groups=len(sets))
     current = dict(tensors)
-    findings = [f for entry in sets for f in _check_set(entry, current, policy, report)]
-    # Each group's verdict is known to its members only: share them, so every rank decides alike
-    # (a count first: the common case, no finding anywhere, costs one small all-reduce).
-    shared: list[dict[str, Any]] = []
-    if int(coordinator.all_reduce_sum(torch.tensor([len(findings)], dtype=torch.int64))):
-        shared = _unique(f for per_rank in coordinator.all_gather([vars(f) for f in findings]) for f in per_rank)
+    findings = [f for entry in sets for f in _check_set(entry, current, policy, report, coordinator)]
     report.seconds = round(time.perf_counter() - started, 4)
+    return current, report, findings
+
+
+def settle_findings(findings: list[_Finding], total: int, coordinator: Coordinator, policy: str,
+                    report: ReplicaReport) -> None:
+    """With ``total`` findings over the export group (none: nothing to do, the common case), share
+    them (an object all-gather), then refuse on every rank alike when replicas differ and may not
+    (or cannot) be reconciled, else record what was reconciled in ``report``."""
+    if not total:
+        return
+    shared = _unique(f for per_rank in coordinator.all_gather([vars(f) for f in findings]) for f in per_rank)
     refused = [f for f in shared if f["reconciled"] is None]
     if refused:
         raise _refusal(refused, policy)
     report.reconciled = [dict(key=f["name"], ranks=list(f["ranks"]), copies=f["copies"],
                               max_abs_diff=f["max_abs_diff"], policy=f["reconciled"]) for f in shared]
-    return current, report
 
 
 def _unique(findings) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from nemo_moe_export.adapters import HFShard
-from nemo_moe_export.export.stages import _peer_group
+from nemo_moe_export.collectives import gloo_group
 from nemo_moe_export.export.writer import PieceWriter
 from nemo_moe_export.parallel import TP_DIM
 
@@ -97,7 +97,7 @@ def write_exchanged_rows(writer: PieceWriter, exchanges: Sequence[RowExchange], 
         chunk, parts = row_parts(rows, tp)
         received = torch.empty(parts[me] * cols * tp, dtype=local.dtype)
         dist.all_to_all_single(received, local.reshape(-1), [n * cols for n in parts], [parts[me] * cols] * tp,
-                               group=_peer_group(exchange.peers, timeout))
+                               group=gloo_group(exchange.peers, timeout, members_only=True))
         sent += (rows - parts[me]) * cols * local.element_size()
         if parts[me]:
             # received: each peer's columns of my rows, peers in column order -> [my rows, all columns]

@@ -29,10 +29,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import AutoModelForCausalLM
 
 from nemo_moe_export.adapters import StateDictAdapter, TensorMeta, get_table
+from nemo_moe_export.collectives import gloo_group
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.replicas import checksum
 from nemo_moe_export.export.verify import MTP_MODULES
@@ -322,7 +321,7 @@ def stage_replicated(state_dict: Mapping[str, torch.Tensor], pp: RankGroup, coor
     same stages (same pipeline rank), without copying. A collective over the export group (every
     rank calls it): the pipeline ranks are gathered to find the peers."""
     peers = _stage_peers(pp, coordinator)
-    group = _peer_group(peers, coordinator.timeout)
+    group = gloo_group(peers, coordinator.timeout, members_only=True)
     out: dict[str, torch.Tensor] = {}
     meshes: dict[str, DeviceMesh] = {}
     for key, tensor in state_dict.items():
@@ -337,26 +336,11 @@ def stage_replicated(state_dict: Mapping[str, torch.Tensor], pp: RankGroup, coor
 
 
 def _stage_peers(pp: RankGroup, coordinator: Coordinator) -> tuple[int, ...]:
-    """Global ranks of the export group whose pipeline rank is this rank's, in rank order (one
-    fixed-size all-gather of the pipeline rank)."""
-    mine = torch.tensor([pp.rank], dtype=torch.int64)
+    """Global ranks of the export group whose pipeline rank is this rank's, in rank order: each
+    rank's pipeline rank in its own slot of a vector summed over the export group."""
     if not coordinator.active:
         return (coordinator.global_rank(0),)
-    every = [torch.empty_like(mine) for _ in range(coordinator.world_size)]
-    dist.all_gather(every, mine, group=coordinator.group)
-    return tuple(coordinator.global_rank(r) for r, p in enumerate(every) if int(p) == pp.rank)
-
-
-# Stage-peer groups, created once per job: keyed by the default process group (a job that
-# re-initialises torch.distributed gets new groups) and the peers.
-_PEER_GROUPS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
-
-
-def _peer_group(peers: tuple[int, ...], timeout: timedelta) -> Any:
-    """A gloo group over ``peers`` (only its members take part in creating it)."""
-    groups = _PEER_GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
-    key = (peers, timeout)
-    if key not in groups:
-        groups[key] = dist.new_group(ranks=list(peers), backend="gloo", timeout=timeout,
-                                     use_local_synchronization=True)
-    return groups[key]
+    every = torch.zeros(coordinator.world_size, dtype=torch.int64)
+    every[coordinator.rank] = pp.rank
+    coordinator.all_reduce(every, step="validate stages")
+    return tuple(coordinator.global_rank(r) for r, p in enumerate(every.tolist()) if p == pp.rank)

@@ -1,15 +1,16 @@
 """The collective export step: sharded model -> HF checkpoint directory, with no gather.
 
-Steps, each closed by ``Coordinator.agree`` (a monitored barrier under a timeout plus a status
-exchange, so a failure or stall on any rank becomes the same clear error on every rank;
-docs/design.md#coordination-protocol):
+Steps, each closed by ``Coordinator.agree`` (one all-reduce of a status word under a timeout, so
+a failure or stall on any rank becomes the same clear error on every rank; the words a step
+shares ride on it; docs/design.md#coordination-protocol):
 
 1. ``validate``  every rank checks the options, resolves its inputs, builds the plan (pure,
                  identical everywhere) and its write shares (every holder of a replicated piece
-                 writes a part of it), and the ranks agree; then the plan digests are compared,
-                 the per-key element counts summed across ranks (every element must have exactly
-                 one writer), every replicated tensor is compared across its replicas
-                 (``replicas.py``), and the storage writer assigns each file an owner. Nothing is
+                 writes a part of it), and the ranks agree, summing the plan digest's fingerprint
+                 (one plan on every rank) and rank 0's export id; then every replicated tensor is
+                 compared across its replicas (``replicas.py``) and the ranks agree again, summing
+                 the count of findings and the per-key element counts (every element must have
+                 exactly one writer); the storage writer assigns each file an owner. Nothing is
                  written until all of this has passed.
 2. ``prepare``   rank 0 creates a fresh temporary sibling directory ``.{name}.partial``.
 3. ``headers``   the owner of each file creates it at full size and writes its header; rank 0
@@ -48,16 +49,18 @@ from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export, write_shares
 from nemo_moe_export.export.quantize import quantization_config, quantize_export
-from nemo_moe_export.export.replicas import ReplicaReport, ReplicaSet, check_replicas, replica_sets, with_copies
+from nemo_moe_export.export.replicas import (ReplicaReport, ReplicaSet, compare_replicas, replica_sets, settle_findings,
+                                             with_copies)
 from nemo_moe_export.export.stages import (Catalogue, catalogue_of, check_declared, check_mtp_layers, check_tied,
                                            merge_catalogues, pipeline_group_of, stage_replicated, tied_boxes,
                                            tied_pairs)
 from nemo_moe_export.export.row_exchange import row_parallel_shares, write_exchanged_rows
 from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, check_writer_ranks, writer_for
-from nemo_moe_export.export.target import ExportTarget, new_export_id, write_metadata_files
+from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export_id, write_metadata_files
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.export.writer import WriteStats, write_headers
 from nemo_moe_export.hooks import Hook, RecipeContext
+from nemo_moe_export.collectives import FINGERPRINT_WORDS, fingerprint_words
 from nemo_moe_export.parallel import Coordinator, PeerError, RankGroup
 
 __all__ = ["ExportResult", "ExportStep", "cyclic_gc_paused", "export_catalogue", "export_hf_checkpoint",
@@ -129,6 +132,14 @@ class _Job:
         return [name for name, owner in self.owners.items() if owner == me]
 
 
+@dataclass
+class _Shared:
+    """Words a step's body shares with every rank on its closing agreement (``_Steps.agreed``)."""
+
+    sums: torch.Tensor | None = None  # this rank's int64 words
+    totals: torch.Tensor | None = None  # their sum over the ranks, once agreed
+
+
 class _Steps:
     """Runs the steps on this rank: each body is closed by an agreement of every rank, and timed."""
 
@@ -138,15 +149,19 @@ class _Steps:
         self._last = time.perf_counter()
 
     @contextmanager
-    def agreed(self, name: str) -> Iterator[None]:
+    def agreed(self, name: str, words: int = 0) -> Iterator["_Shared"]:
         """Run the body, then agree with every rank on how it went: an exception here, or on any
-        peer, becomes the same PeerError on every rank."""
-        error = None
+        peer, becomes the same PeerError on every rank. ``words`` int64 words the body puts in
+        ``shared.sums`` ride on the agreement (a rank that failed sends as many zeros: every rank
+        must send the same size); their sum over the ranks is ``shared.totals`` afterwards."""
+        error, shared = None, _Shared(torch.zeros(words, dtype=torch.int64) if words else None)
         try:
-            yield
+            yield shared
+            if words and shared.sums.shape != (words,):
+                raise AssertionError(f"step '{name}' shares {tuple(shared.sums.shape)} words, not ({words},)")
         except BaseException as exc:  # reported to every rank by agree
             error = exc
-        self.coordinator.agree(name, error)
+        shared.totals = self.coordinator.agree(name, error, sums=shared.sums)
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -247,29 +262,41 @@ def _validate(steps: _Steps, output_dir: Any, options: ExportOptions, refused: E
     """Step 1: the rank-local checks and the plan, agreed by every rank; then the checks across ranks."""
     coordinator = steps.coordinator
     with steps.timed("validate"):
-        with steps.agreed("validate"):
+        with steps.agreed("validate", PLAN_WORDS) as shared:
             if refused is not None:
                 raise refused
             staged = _stage_locally(coordinator, output_dir, options, _resolve_inputs(**given))
             local = None if staged.pipelined else _lay_out(staged, staged.catalogue, options, coordinator)
-            counts = None if local is None else element_counts(local.plan, local.shares)
+            if local is not None:
+                shared.sums = _plan_words(local.plan, coordinator)
         if local is None:  # pipeline stages: the plan and the plain tensors' holders span the stages
-            local, counts = _lay_out_stages(steps, staged, options)
-        # Collectives only after the agreement (a peer that failed alone would leave us waiting);
-        # their inputs are gathered, so every rank reaches the same verdict and raises the same error.
+            local, totals = _lay_out_stages(steps, staged, options)
+        else:
+            totals = shared.totals
+        # Checks across ranks from the words summed by the agreement; inputs that differ between
+        # ranks give every rank the same verdict, so all raise the same error.
         plan = local.plan
-        coordinator.require_same("export plans", plan.digest(), key="plan",
+        coordinator.require_same("export plans", plan.digest(), key="plan", summed=totals[:-1],
                                  hint="every rank must export the same model with the same options")
-        check_coverage(plan, coordinator.all_reduce_sum(counts))
+        # One name for this job on every rank, rank 0's: its own partial directory, and its lock
+        # (docs/design.md#export-target-and-concurrent-jobs).
+        export_id = export_id_of(int(totals[-1]))
         inputs, shares, replicas = _agree_replicas(steps, local, options)
         writer = writer_for(options, coordinator)
-        # One name for this job on every rank: its own partial directory, and its lock
-        # (docs/design.md#export-target-and-concurrent-jobs).
-        export_id = coordinator.all_gather(new_export_id())[0]
         target, plan = local.target.for_job(export_id), plan.stamped(export_id)
         # FP8: the quantized plan (laid out stamped), scales and writer (docs/design.md#fp8-export); else unchanged.
         plan, shares, writer = quantize_export(steps, options, inputs.adapter, plan, shares, writer)
     return _Job(coordinator, options, target, inputs, plan, shares, writer, writer.file_owners(plan), replicas)
+
+
+PLAN_WORDS = FINGERPRINT_WORDS + 1  # what the agreement closing the plan carries: see _plan_words
+
+
+def _plan_words(plan: ExportPlan, coordinator: Coordinator) -> torch.Tensor:
+    """What the agreement that closes the plan sums: the plan digest's fingerprint (every rank
+    must have the same plan) and, from rank 0 alone, the job's export id."""
+    export_id = new_export_id() if coordinator.rank == 0 else 0
+    return torch.cat([fingerprint_words(plan.digest()), torch.tensor([export_id], dtype=torch.int64)])
 
 
 @dataclass(frozen=True)
@@ -320,7 +347,7 @@ def _lay_out_stages(steps: _Steps, staged: _Staged, options: ExportOptions) -> t
     """Validate across pipeline stages (docs/design.md#pipeline-stages): the stage peers' plain
     tensors as replicas and the catalogue merged over the pipeline group (collectives every rank
     reaches first), then the checks and the plan, under one more agreement."""
-    with steps.agreed("validate stages"):
+    with steps.agreed("validate stages", PLAN_WORDS) as shared:
         inputs = staged.inputs
         state_dict = stage_replicated(inputs.state_dict, inputs.pp, steps.coordinator)
         merged = merge_catalogues(staged.catalogue, inputs.pp)
@@ -330,8 +357,8 @@ def _lay_out_stages(steps: _Steps, staged: _Staged, options: ExportOptions) -> t
         check_mtp_layers(merged.metadata, inputs.config)
         staged = replace(staged, inputs=replace(inputs, state_dict=state_dict))
         local = _lay_out(staged, merged, options, steps.coordinator)
-        counts = element_counts(local.plan, local.shares)
-    return local, counts
+        shared.sums = _plan_words(local.plan, steps.coordinator)
+    return local, shared.totals
 
 
 @dataclass(frozen=True)
@@ -350,15 +377,14 @@ def _agree_replicas(steps: _Steps, local: _LocalPlan, options: ExportOptions
                     ) -> tuple[_Inputs, list[HFShard], ReplicaReport]:
     """Compare every replicated tensor across its replicas (docs/design.md#replica-agreement); with
     a reconciling policy, rebuild the inputs and shares from the reconciled copies."""
-    failure: list[ExportInputError] = []
-    with steps.agreed("validate replicas"):  # a transport failure in one group reaches every rank
-        try:
-            current, report = check_replicas(local.replica_sets, local.replicated, steps.coordinator,
-                                             options.replica_mismatch)
-        except ExportInputError as exc:  # the same verdict on every rank: raised as itself below
-            failure.append(exc)
-    if failure:
-        raise failure[0]
+    # the findings' count and the coverage counts share the agreement (the plans are equal by now)
+    with steps.agreed("validate replicas", 1 + len(local.plan.tensors)) as shared:  # a transport failure in one group reaches every rank
+        current, report, findings = compare_replicas(local.replica_sets, local.replicated, steps.coordinator,
+                                                     options.replica_mismatch)
+        shared.sums = torch.cat([torch.tensor([len(findings)], dtype=torch.int64),
+                                 element_counts(local.plan, local.shares)])
+    check_coverage(local.plan, shared.totals[1:])
+    settle_findings(findings, int(shared.totals[0]), steps.coordinator, options.replica_mismatch, report)
     if not report.reconciled:
         return local.inputs, local.shares, report
     inputs = _with_reconciled(local.inputs, current)

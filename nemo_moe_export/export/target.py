@@ -34,7 +34,7 @@ from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.plan import ExportPlan
 from nemo_moe_export.safetensors_format import INDEX_FILE, SUFFIX
 
-__all__ = ["ExportTarget", "fsync_path", "new_export_id", "write_metadata_files"]
+__all__ = ["ExportTarget", "export_id_of", "fsync_path", "new_export_id", "write_metadata_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +42,19 @@ HEARTBEAT_S = 10.0  # how often the lock holder refreshes the lock's mtime
 STALE_AFTER_S = 60.0  # a lock not refreshed for this long belongs to a dead job
 
 
-def new_export_id() -> str:
-    """A name for one export job, unique across hosts and time (rank 0 draws it, all ranks use it)."""
-    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:12]}"
+_RANDOM_BITS = 31  # beside the UTC second: an export id is one int64 word, shared by a sum all-reduce
+
+
+def new_export_id() -> int:
+    """One export job's number, unique across hosts and time: the UTC second and 31 random bits.
+    Rank 0 draws it, every rank uses it (:func:`export_id_of` names it)."""
+    return (int(time.time()) << _RANDOM_BITS) | (uuid.uuid4().int & ((1 << _RANDOM_BITS) - 1))
+
+
+def export_id_of(number: int) -> str:
+    """The export id's name, as directories and headers carry it: ``20261202T071830-1f2e3d4c``."""
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(number >> _RANDOM_BITS))
+    return f"{stamp}-{number & ((1 << _RANDOM_BITS) - 1):08x}"
 
 
 def fsync_path(path: str) -> None:

@@ -78,6 +78,7 @@ class RankPlan:
     replica_allreduce_bytes: int = 0  # payload of its replica-check all-reduces
     elements: int = 0
     replica_group_sizes: list[int] = field(default_factory=list)  # ranks in each of its replica groups
+    export_group_checked: bool = False  # one of them is the export group (its plain tensors): butterfly all-reduces
     # row-parallel TP shares (export/row_exchange.py): bytes it sends its TP peers, the all-to-alls
     # (one per weight), the size of its TP group, and the largest exchange's buffers (received + whole rows)
     exchanged_bytes: int = 0
@@ -477,11 +478,11 @@ def _time_metadata(meta: MetaModel, plan: ExportPlan, options: ExportOptions) ->
     import os
     import tempfile
 
-    from nemo_moe_export.export.target import new_export_id, write_metadata_files
+    from nemo_moe_export.export.target import export_id_of, new_export_id, write_metadata_files
     from nemo_moe_export.export.verify import verify_checkpoint
     from nemo_moe_export.export.writer import write_headers
 
-    stamped, stamp_s = _timed(plan.stamped, new_export_id())
+    stamped, stamp_s = _timed(plan.stamped, export_id_of(new_export_id()))
     model = meta.model
     generation = model.generation_config if getattr(model, "can_generate", lambda: False)() else None
     memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -631,6 +632,7 @@ def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: 
         ring = 2 * (len(entry.ranks) - 1) / len(entry.ranks)  # bytes a ring all-reduce sends per byte
         out.replica_groups += 1
         out.replica_group_sizes.append(len(entry.ranks))
+        out.export_group_checked |= entry.export_group
         out.replica_tensors += tensors
         out.replica_bytes_checked += local_bytes
         out.replica_allreduce_bytes += int(ring * (_HEADER_BYTES + _CHECKSUM_BYTES * tensors))

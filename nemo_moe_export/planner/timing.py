@@ -11,33 +11,33 @@ Assumptions:
   outnumber cores the copies into the page cache compete for the cores, which that measurement
   includes. The write step lasts as long as the busiest node: ``max over nodes of (bytes its ranks
   write) / node_bandwidth``.
-* **Collectives are gloo rings.** The export coordinates on gloo (``parallel.Coordinator``), whose
-  all-reduce is a ring: ``2 (G - 1)`` hops one after the other on a group of ``G`` ranks (a
-  reduce-scatter, then an all-gather), whatever the payload; an object all-gather
-  (``Coordinator.all_gather``: ``all_gather_object``, an all-gather of the sizes, then one of the
-  pickled bytes) is two rings of ``G - 1`` hops. A hop of each kind costs what
+* **Coordination is a butterfly on a lazily connected gloo group.** The export coordinates on a
+  gloo side group (``parallel.Coordinator``) whose all-reduces are recursive doubling
+  (``collectives.butterfly_all_reduce``): ``butterfly_rounds(G)`` exchanges one after the other on
+  a group of ``G`` ranks (``log2 G``, two more when ``G`` is not a power of two), whatever the
+  payload's size, which is also sent once per round at ``network_bandwidth``. A round costs what
   ``plan_bench.py`` measures among as many ranks per node as the job runs (ranks that outnumber
-  the cores included): ``collective_latency_s`` for a one-word all-reduce (an agreement),
-  ``vector_hop_s`` for an all-reduce of a vector (the coverage counts, the replica check's
-  checksums; the replica check's 4-word header is counted as one, an upper bound) and
-  ``gather_hop_s`` for an object all-gather, each that collective's median seconds over its hops.
-  On GPUs the replica check's collectives run on NCCL, modelled with the same hops (an upper
-  bound). The collectives the export makes (``export/step.py``, ``export/replicas.py``):
-  ``AGREEMENTS`` agreements (one at the end of each step, and one after the replica check);
-  ``OBJECT_GATHERS`` object all-gathers in validate (the plan digests, the job's id); in
-  validate, the coverage all-reduce (8 bytes per tensor, also sent at ``network_bandwidth``),
-  and per replica group of the rank two vector all-reduces (header, checksums), then one
-  one-word all-reduce over the export group (how many findings).
-* **Pipeline stages** (``export/stages.py``, ``step._lay_out_stages``) add, once per export: the
-  stage peers' gloo group (``dist.new_group`` over the ``S = W / pp_size`` ranks of the stage,
-  opened by them alone: ``(S - 1) x group_connect_s``); a one-word all-gather over the export
-  group (every rank's pipeline rank: ``W - 1`` hops at an agreement's hop); the catalogue merge, an object all-gather over the pipeline
-  group (``gather_hops(pp_size)`` hops, the largest pickled catalogue times ``pp_size - 1`` at
-  ``network_bandwidth``, and the pickling and merging, timed by the planner with the export's
-  own representation and merge, crowded like validate's work); and the "validate stages"
-  agreement, which waits for rank 0's ``check_declared`` (transformers' model for the config on
-  the meta device, timed by the planner with its cache cleared) and is noticed late as the
-  bookkeeping steps are. A rank's state dict and replica names scale with the share of the
+  the cores included): ``collective_latency_s`` is one round of an agreement (its median seconds
+  over its rounds). The collectives the export makes there (``export/step.py``): ``AGREEMENTS``
+  agreements, one at the end of each step and one after the replica check; the first carries the
+  plan digest's fingerprint and rank 0's export id (``VALIDATE_WORDS``), the second the count of
+  replica findings and the coverage counts (8 bytes per tensor); and, when plain tensors are
+  replicated over the whole export group, the replica check's two all-reduces of that group on
+  the butterfly too. Nothing is gathered unless a check fails. The replica check's other groups
+  are the model's own (DTensor meshes): their two all-reduces each (a header, the checksums) are
+  gloo rings on CPUs, ``2 (g - 1)`` hops of ``vector_hop_s`` on a group of ``g`` ranks; on GPUs
+  they run on NCCL, modelled with the same hops (an upper bound).
+* **Pipeline stages** (``export/stages.py``, ``step._lay_out_stages``) add, once per export: each
+  rank's pipeline rank in a vector of ``W`` words summed on the butterfly (the stage peers); the
+  stage peers' gloo group (made once per job, opened by its ``S = W / pp_size`` members and
+  connected lazily: the ring neighbours of the replica check's all-reduces, ``2 x
+  group_connect_s``); the catalogue merge, an object all-gather over the pipeline group
+  (``gather_hops(pp_size)`` hops, the largest pickled catalogue times ``pp_size - 1`` at
+  ``network_bandwidth``, and the pickling and merging, timed by the planner with the export's own
+  representation and merge, crowded like validate's work); and the "validate stages" agreement,
+  which carries the plan words and waits for rank 0's ``check_declared`` (transformers' model for
+  the config on the meta device, timed by the planner with its cache cleared): rank 0's work, as
+  the bookkeeping steps' is. A rank's state dict and replica names scale with the share of the
   model its stages hold (the fullest pipeline rank's). Per pipeline rank the report gives the
   seconds its ranks alone take to write their bytes; the write step is the busiest node's.
 * **Row-parallel TP weights** (``export/row_exchange.py``) are exchanged in the write step before
@@ -47,11 +47,11 @@ Assumptions:
   and the bytes a rank sends (``RankPlan.exchanged_bytes``) at ``network_bandwidth``; the busiest
   rank's exchange lengthens the write step. Its pieces are then written as whole rows (the write
   model above counts their bytes like any other).
-* **A coordination group per export.** ``parallel.Coordinator`` opens a gloo group of its own for
-  every export (its collectives honour the export's timeout), before the validate step: every
-  rank connects to each of the others, ``(W - 1) x group_connect_s``, measured by
-  ``plan_bench.py`` as the Coordinator's construction and first agreement, less a warm
-  agreement, over ``W - 1``.
+* **A coordination group per job, connected where used.** ``parallel.Coordinator``'s gloo group is
+  made once per job (``collectives.gloo_group``) with lazy connections: a rank connects to the
+  ``butterfly_rounds(W)`` peers it exchanges with at most, ``group_connect_s`` each, measured by
+  ``plan_bench.py`` as a new group's first agreement less a warm one, over those peers. The
+  prediction counts it, as for the job's first coordination (an end-of-training export).
 * **CPU-bound work competes for the cores.** Validate's rank-local work (the model's
   ``state_dict()``, ``step.export_plan_of``, ``step.replicated_tensors``, ``step.rank_write_shares``,
   ``plan.element_counts``, ``replicas.replica_sets``, ``plan.stamped``) is the planner's timing of
@@ -67,12 +67,12 @@ Assumptions:
   (``target.write_metadata_files``, ``verify.verify_checkpoint``) is the planner's timing of that
   same code on a skeleton of the checkpoint (``simulate.py``); it runs while the other ranks wait,
   so it is not slowed by crowding.
-* **Waiting ranks notice an agreement late.** ``Coordinator.agree`` polls its all-reduce, sleeping
-  0.1 ms first and twice as long each time up to 20 ms; a rank that has waited ``t`` for its
-  peers notices the end half the pause then in effect later, on average (``poll_lateness``). In
-  those four steps the other ranks wait for rank 0's work and the agreement, so each step lasts
-  that wait plus its lateness. Where the ranks work alike (validate, write) the skew between them
-  is not modelled.
+* **Waiting ranks notice an agreement at once.** ``Coordinator.agree`` waits on the all-reduce's
+  completion (a thread blocked in it wakes the waiting one), so a rank that waited for rank 0's
+  bookkeeping leaves the agreement when its last round ends; the handover is inside the measured
+  round time. In those four steps the other ranks wait for rank 0's work and the agreement, so
+  each step lasts that wait plus the agreement. Where the ranks work alike (validate, write) the
+  skew between them is not modelled.
 * **A new target.** The export writes into a directory that does not exist yet, as a job's
   end-of-training export does; ``overwrite="replace"`` also deletes the old checkpoint at publish,
   a cost of the filesystem's (0.12 s for 462 MB on the H200 host) that is not modelled.
@@ -82,47 +82,39 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "OBJECT_GATHERS", "STAGE_AGREEMENTS",
-           "STAGE_WORD_GATHERS", "TimeModel",
-           "all_reduce_hops", "collectives", "exchange_collectives", "gather_hops", "poll_lateness", "predict"]
+from nemo_moe_export.collectives import butterfly_rounds
+
+__all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "STAGE_AGREEMENTS", "STAGE_RANK_VECTORS",
+           "TimeModel", "VALIDATE_WORDS", "all_reduce_hops", "collectives", "exchange_collectives", "gather_hops",
+           "predict"]
 
 # Coordinator.agree calls (export/step.py): the end of validate, of the replica check ("validate
 # replicas"), prepare, headers, write, verify and publish.
 AGREEMENTS = 7
 VALIDATE_AGREEMENTS = 2  # of those, the ones inside the validate step
-# Coordinator.all_gather calls in validate: require_same of the plan digests, the job's export id.
-OBJECT_GATHERS = 2
-# Under pipeline stages (export/stages.py, step._lay_out_stages), over the export group: the
-# "validate stages" agreement, and the all-gather of every rank's pipeline rank (one int64 each:
-# the stage peers).
+# Words the validate agreement carries besides its status: the plan digest's fingerprint (8) and
+# rank 0's export id; the replica agreement carries the findings' count and one word per tensor.
+VALIDATE_WORDS = 9
+# Under pipeline stages (export/stages.py, step._lay_out_stages): the "validate stages" agreement
+# (which then carries the plan words), and every rank's pipeline rank summed in a vector of W words.
 STAGE_AGREEMENTS = 1
-STAGE_WORD_GATHERS = 1
+STAGE_RANK_VECTORS = 1
+# The stage peers' group connects its ring neighbours (the replica check's all-reduces on it).
+STAGE_GROUP_CONNECTIONS = 2
 # Rank 0's small-file operations besides the headers (export/target.py), by step: the lock and the
 # partial directory; the index, config.json and generation_config.json; the sealing fsync of the
 # directory; the publish rename and its parent's fsync.
 BOOKKEEPING_FILE_OPS = dict(prepare=2, headers=3, verify=1, publish=2)
 METADATA_FILE_OPS = sum(BOOKKEEPING_FILE_OPS.values())
-# How Coordinator.agree waits (parallel.py, _all_reduce_in_time): the first pause, doubled each
-# time up to the last.
-_POLL_FIRST_S, _POLL_MAX_S = 1e-4, 0.02
 # The defaults: what benchmarks/plan_bench.py measured among 8 and 16 ranks of the 16-core H200
-# host, a core each (docs/design.md#planner): one hop of an agreement's ring, of a vector
-# all-reduce's and of an object all-gather's, and a peer's share of opening the Coordinator's
-# group. Across nodes a hop also crosses the network: pass the cluster's own.
-DEFAULT_HOP_S = 7e-5
+# host, a core each (docs/design.md#planner): one round of an agreement's butterfly (0.27 and 0.35
+# ms), one hop of a ring all-reduce of a vector and of an object all-gather, and a peer's
+# connection in a new gloo group (0.6 and 3.0 ms). Across nodes a round also crosses the network:
+# pass the cluster's own.
+DEFAULT_ROUND_S = 3.1e-4
 DEFAULT_VECTOR_HOP_S = 1.7e-4
 DEFAULT_GATHER_HOP_S = 2.3e-4
-DEFAULT_CONNECT_S = 1e-3
-
-
-def poll_lateness(waited_s: float) -> float:
-    """Expected seconds after an agreement's end at which a rank that has waited ``waited_s`` for
-    it notices: half the pause of ``Coordinator.agree``'s polling in effect at that time."""
-    pause, elapsed = _POLL_FIRST_S, 0.0
-    while elapsed + pause < waited_s:
-        elapsed += pause
-        pause = min(2 * pause, _POLL_MAX_S)
-    return pause / 2
+DEFAULT_CONNECT_S = 1.8e-3
 
 
 def all_reduce_hops(group: int) -> int:
@@ -140,13 +132,13 @@ class TimeModel:
     node_bandwidth: float  # bytes/s one node writes, all its ranks together
     ranks_per_node: int
     checksum_bandwidth: float = 5e9  # bytes/s a core checksums (CPU host memory; ~1e12 on an H200)
-    collective_latency_s: float = DEFAULT_HOP_S  # one hop of an agreement's ring all-reduce (one word)
-    network_bandwidth: float = 1e9  # bytes/s of a rank's link for the coverage all-reduce
+    collective_latency_s: float = DEFAULT_ROUND_S  # one round of an agreement's butterfly
+    network_bandwidth: float = 1e9  # bytes/s of a rank's link for collectives' payloads
     cores_per_node: int | None = None  # None: one core per rank
     file_op_s: float = 2e-3  # a small file written and fsynced (a local disk; network filesystems: more)
     vector_hop_s: float = DEFAULT_VECTOR_HOP_S  # one hop of a ring all-reduce of a vector
     gather_hop_s: float = DEFAULT_GATHER_HOP_S  # one hop of an object all-gather
-    group_connect_s: float = DEFAULT_CONNECT_S  # a peer's share of opening the Coordinator's gloo group
+    group_connect_s: float = DEFAULT_CONNECT_S  # one peer connection in a gloo group (made on first use)
 
     def __post_init__(self) -> None:
         from nemo_moe_export.errors import ExportInputError
@@ -171,23 +163,22 @@ class TimeModel:
 
 def collectives(simulation, rank: int) -> list[tuple[str, int]]:
     """The collectives the export makes on ``rank``, as ``(kind, group size)``: kind is
-    ``group_setup`` (a gloo group opened: the Coordinator's; under pipeline stages also the stage
-    peers'), ``agreement`` (a one-word all-reduce, ``Coordinator.agree``), ``word_all_reduce`` (the
-    replica check's count of findings), ``vector_all_reduce`` (the coverage counts; a replica
-    group's header and checksums) or ``object_gather`` (``Coordinator.all_gather``; under pipeline
-    stages also the catalogue merge's over the pipeline group), ``all_to_all`` (under TP, the
-    row-parallel exchange's, over the TP group); none when alone."""
+    ``group_setup`` (a gloo group made: the Coordinator's, once per job; under pipeline stages also
+    the stage peers'), ``agreement`` (``Coordinator.agree``, a butterfly), ``butterfly`` (another
+    all-reduce on the Coordinator's group: the replica check's over the export group, the pipeline
+    ranks), ``vector_all_reduce`` (a replica group's header and checksums on the model's own
+    group), ``object_gather`` (under pipeline stages, the catalogue merge over the pipeline group)
+    or ``all_to_all`` (under TP, the row-parallel exchange's, over the TP group); none when alone."""
     world = simulation.world_size
     if world == 1:
         return []
-    return ([("group_setup", world)] + [("agreement", world)] * AGREEMENTS + [("object_gather", world)] * OBJECT_GATHERS
-            + _stage_collectives(simulation) + [("vector_all_reduce", world)] + _replica_collectives(simulation, rank)
-            + exchange_collectives(simulation, rank))
+    return ([("group_setup", world)] + [("agreement", world)] * AGREEMENTS + _stage_collectives(simulation)
+            + _replica_collectives(simulation, rank) + exchange_collectives(simulation, rank))
 
 
 def exchange_collectives(simulation, rank: int) -> list[tuple[str, int]]:
     """The row-parallel exchange's (``row_exchange.write_exchanged_rows``): the TP peers' gloo group
-    (``stages._peer_group``, shared with the stage peers' when they are the same ranks) and one
+    (``collectives.gloo_group``, shared with the stage peers' when they are the same ranks) and one
     ``all_to_all`` per row-parallel weight over the TP group; none without TP."""
     r = simulation.ranks[rank]
     if not r.row_exchanges:
@@ -199,39 +190,40 @@ def exchange_collectives(simulation, rank: int) -> list[tuple[str, int]]:
 
 
 def _stage_collectives(simulation) -> list[tuple[str, int]]:
-    """Under pipeline stages (``export/stages.py``): the "validate stages" agreement, the
-    all-gather of the pipeline ranks (``word_all_gather``: one int64 per rank), the stage peers'
-    gloo group (``_peer_group``, opened by its ``S`` members only) and the catalogue merge, an
-    object all-gather over the pipeline group."""
+    """Under pipeline stages (``export/stages.py``): the "validate stages" agreement, the pipeline
+    ranks summed on the butterfly, the stage peers' gloo group (opened by its ``S`` members only)
+    and the catalogue merge, an object all-gather over the pipeline group."""
     work = getattr(simulation, "stages", None)
     if work is None:
         return []
     world, pp = simulation.world_size, work.pipeline.pp_size
-    return ([("agreement", world)] * STAGE_AGREEMENTS + [("word_all_gather", world)] * STAGE_WORD_GATHERS
+    return ([("agreement", world)] * STAGE_AGREEMENTS + [("butterfly", world)] * STAGE_RANK_VECTORS
             + [("group_setup", world // pp), ("object_gather", pp)])
 
 
 def _replica_collectives(simulation, rank: int) -> list[tuple[str, int]]:
-    """The replica check's (``replicas.check_replicas``): per replica group of the rank a header
-    and a checksum all-reduce, then the count of findings over the export group."""
-    world = simulation.world_size
-    if world == 1:
-        return []
-    groups = [g for g in simulation.ranks[rank].replica_group_sizes if g > 1]
-    return [("vector_all_reduce", g) for g in groups for _ in range(2)] + [("word_all_reduce", world)]
+    """The replica check's (``replicas.compare_replicas``): per replica group of the rank a header
+    and a checksum all-reduce, on the butterfly for the export group (its count of findings rides
+    on the agreement)."""
+    r = simulation.ranks[rank]
+    sizes = [g for g in r.replica_group_sizes if g > 1]
+    if r.export_group_checked:
+        sizes.remove(simulation.world_size)
+    return (([("butterfly", simulation.world_size)] * 2 if r.export_group_checked else [])
+            + [("vector_all_reduce", g) for g in sizes for _ in range(2)])
 
 
-def _collective_seconds(kind: str, group: int, model: TimeModel) -> float:
+def _collective_seconds(kind: str, group: int, model: TimeModel, words: int = 1) -> float:
+    """One collective of ``kind`` on ``group`` ranks; ``words`` (8 bytes each) for the butterfly's payload."""
+    if kind in ("agreement", "butterfly"):
+        return butterfly_rounds(group) * (model.collective_latency_s + 8 * words / model.network_bandwidth)
     if kind == "object_gather":
         return gather_hops(group) * model.gather_hop_s
-    if kind == "word_all_gather":  # one ring all-gather of a word: half an agreement's hops
-        return (group - 1) * model.collective_latency_s
     if kind == "all_to_all":  # gloo: a pairwise exchange with each peer in turn
         return (group - 1) * model.vector_hop_s
-    if kind == "group_setup":
-        return (group - 1) * model.group_connect_s
-    hop = model.vector_hop_s if kind == "vector_all_reduce" else model.collective_latency_s
-    return all_reduce_hops(group) * hop
+    if kind == "vector_all_reduce":
+        return all_reduce_hops(group) * model.vector_hop_s
+    raise ValueError(kind)
 
 
 def predict(simulation, model: TimeModel) -> dict:
@@ -241,44 +233,45 @@ def predict(simulation, model: TimeModel) -> dict:
     crowding = model.crowding
     word_s = _collective_seconds("agreement", world, model)  # one agreement
     write_s, nodes = _write_seconds(simulation.ranks, model)
-    # the replica check: checksums, each replica group's two all-reduces, the findings count
+    # the replica check: checksums, each replica group's two all-reduces
     check_s = max(crowding * r.replica_bytes_checked / model.checksum_bandwidth
                   + sum(_collective_seconds(kind, g, model) for kind, g in _replica_collectives(simulation, r.rank))
                   for r in simulation.ranks)
-    coverage_s = (2 * simulation.coverage_allreduce_bytes / model.network_bandwidth
-                  + _collective_seconds("vector_all_reduce", world, model) if world > 1 else 0.0)
-    gathers_s = OBJECT_GATHERS * _collective_seconds("object_gather", world, model)
-    agree_s = AGREEMENTS * word_s
-    stages = _stage_seconds(simulation, model, word_s)
+    # the words the validate and replica agreements carry (the coverage counts: one per tensor)
+    coverage_words = simulation.coverage_allreduce_bytes // 8
+    carried_s = (_collective_seconds("agreement", world, model, 1 + VALIDATE_WORDS)
+                 + _collective_seconds("agreement", world, model, 2 + coverage_words) - 2 * word_s)
+    agree_s = AGREEMENTS * word_s + carried_s if world > 1 else 0.0
+    stages = _stage_seconds(simulation, model)
     # every rank runs the same code: the median simulated rank's time (a max would pick up noise)
     local = sorted(r.share_seconds + r.local_seconds for r in simulation.ranks)
     held = simulation.stages.held_fraction if simulation.stages is not None else 1.0
     validate_s = crowding * (held * (simulation.state_dict_seconds + simulation.replicated_seconds)
                              + simulation.plan_seconds + simulation.stamp_seconds + local[len(local) // 2])
-    setup_s = (world - 1) * model.group_connect_s
-    # rank 0's work in the bookkeeping steps, which the other ranks wait for at the agreement
+    setup_s = butterfly_rounds(world) * model.group_connect_s
+    # rank 0's work in the bookkeeping steps (and the declared-tensors check under stages), which
+    # the other ranks wait for at the agreement
     owned = max(r.files_owned for r in simulation.ranks)
     solo = {step: ops * model.file_op_s for step, ops in BOOKKEEPING_FILE_OPS.items()}
     solo["headers"] += owned * model.file_op_s + simulation.index_seconds
     solo["verify"] += simulation.verify_seconds
+    declared_s = simulation.stages.declared_seconds if simulation.stages is not None and world > 1 else 0.0
     files_s = sum(solo.values())
-    late_s = sum(poll_lateness(t + word_s) for t in solo.values()) if world > 1 else 0.0
     exchange_s = max(_exchange_seconds(simulation, r.rank, model) for r in simulation.ranks)
-    total = (setup_s + write_s + exchange_s + check_s + coverage_s + gathers_s + agree_s + validate_s + files_s
-             + late_s + sum(stages.values()))
+    total = (setup_s + write_s + exchange_s + check_s + agree_s + validate_s + files_s + declared_s
+             + sum(stages.values()))
     checksums_s = max(crowding * r.replica_bytes_checked / model.checksum_bandwidth for r in simulation.ranks)
-    # coordination: all but the writing, validate's rank-local compute, rank 0's file bookkeeping and
-    # the checksums (the side group's collectives, their polling, the pipeline's stage work)
-    coordination_s = total - write_s - validate_s - files_s - checksums_s
-    steps = dict(validate=validate_s + check_s + coverage_s + gathers_s + VALIDATE_AGREEMENTS * word_s
+    # coordination: all but the writing, validate's rank-local compute, rank 0's own work and the
+    # checksums (the side group's collectives, the exchange, the pipeline's stage collectives)
+    coordination_s = total - write_s - validate_s - files_s - declared_s - checksums_s
+    steps = dict(validate=validate_s + check_s + VALIDATE_AGREEMENTS * word_s + carried_s + declared_s
                  + sum(stages.values()),
                  write=write_s + exchange_s + word_s,
-                 **{step: t + word_s + (poll_lateness(t + word_s) if world > 1 else 0.0) for step, t in solo.items()})
+                 **{step: t + word_s for step, t in solo.items()})
     out = dict(seconds=round(total, 4), coordinator_setup_s=round(setup_s, 4), write_s=round(write_s, 4),
-               replica_check_s=round(check_s, 4), coverage_s=round(coverage_s, 4),
-               object_gathers_s=round(gathers_s, 4), agreements_s=round(agree_s, 4),
+               replica_check_s=round(check_s, 4), coverage_s=round(carried_s, 4), agreements_s=round(agree_s, 4),
                validate_compute_s=round(validate_s, 4), files_and_metadata_s=round(files_s, 4),
-               agreement_polling_s=round(late_s, 4), row_exchange_s=round(exchange_s, 4),
+               declared_check_s=round(declared_s, 4), row_exchange_s=round(exchange_s, 4),
                coordination_s=round(coordination_s, 4),
                coordination_share=round(coordination_s / total, 4) if total else 0.0,
                steps={k: round(v, 4) for k, v in steps.items()}, crowding=round(crowding, 3), nodes=len(nodes),
@@ -290,9 +283,11 @@ def predict(simulation, model: TimeModel) -> dict:
 
 
 def _exchange_seconds(simulation, rank: int, model: TimeModel) -> float:
-    """The row-parallel exchange on ``rank``: its collectives and the bytes it sends."""
+    """The row-parallel exchange on ``rank``: its group (every TP peer connected), its all-to-alls
+    and the bytes it sends."""
     sent = simulation.ranks[rank].exchanged_bytes / model.network_bandwidth
-    return sent + sum(_collective_seconds(kind, g, model) for kind, g in exchange_collectives(simulation, rank))
+    return sent + sum((g - 1) * model.group_connect_s if kind == "group_setup" else _collective_seconds(kind, g, model)
+                      for kind, g in exchange_collectives(simulation, rank))
 
 
 def _write_seconds(ranks, model: TimeModel) -> tuple[float, dict[int, int]]:
@@ -303,25 +298,24 @@ def _write_seconds(ranks, model: TimeModel) -> tuple[float, dict[int, int]]:
     return max(nodes.values()) / model.node_bandwidth, nodes
 
 
-def _stage_seconds(simulation, model: TimeModel, word_s: float) -> dict[str, float]:
-    """The export's work for pipeline stages (``step._lay_out_stages``), none without them: the stage
-    peers' group opened (``S - 1`` peer connections, as the Coordinator's), the gather of the
-    pipeline ranks over the export group, the catalogue merge (an object all-gather over the
-    pipeline group: its hops, the padded catalogues at the network bandwidth, the pickling and
-    merging on every rank, crowded like validate's work), and the "validate stages" agreement,
-    which waits for rank 0's ``check_declared`` (and notices it late, as the bookkeeping steps)."""
+def _stage_seconds(simulation, model: TimeModel) -> dict[str, float]:
+    """The export's collectives for pipeline stages (``step._lay_out_stages``), none without them:
+    the stage peers' group (its ring neighbours connected), the pipeline ranks summed on the
+    butterfly (``W`` words), the catalogue merge (an object all-gather over the pipeline group: its
+    hops, the padded catalogues at the network bandwidth, the pickling and merging on every rank,
+    crowded like validate's work) and the "validate stages" agreement (rank 0's declared-tensors
+    check, which it waits for, is rank 0's work: ``declared_check_s``)."""
     work = simulation.stages
     if work is None or simulation.world_size == 1:
         return {}
     world, pp = simulation.world_size, work.pipeline.pp_size
-    rank0_s = work.declared_seconds + word_s
     return dict(
-        stage_group_setup_s=(world // pp - 1) * model.group_connect_s,
-        pipeline_ranks_gather_s=STAGE_WORD_GATHERS * _collective_seconds("word_all_gather", world, model),
+        stage_group_setup_s=min(STAGE_GROUP_CONNECTIONS, world // pp - 1) * model.group_connect_s,
+        pipeline_ranks_gather_s=STAGE_RANK_VECTORS * _collective_seconds("butterfly", world, model, world),
         catalogue_merge_s=(_collective_seconds("object_gather", pp, model)
                            + (pp - 1) * work.catalogue_bytes / model.network_bandwidth
                            + model.crowding * work.catalogue_seconds),
-        validate_stages_s=STAGE_AGREEMENTS * rank0_s + poll_lateness(rank0_s),
+        validate_stages_s=STAGE_AGREEMENTS * _collective_seconds("agreement", world, model),
     )
 
 
