@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..")]
 
 from nemo_moe_export.spawn import spawn  # noqa: E402
+from output import emit  # noqa: E402
 
 AGREEMENTS = 7
 
@@ -131,11 +132,7 @@ def main() -> None:
         per_rank = spawn(_rank, world, args.repeat, args.tensors, timeout_s=1800, pg_timeout_s=300)
         results["by_world_size"][world] = _summary(per_rank)
         print(json.dumps({world: results["by_world_size"][world]}), file=sys.stderr, flush=True)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(results, args.out, indent=2)
 
 
 if __name__ == "__main__":

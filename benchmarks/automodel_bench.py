@@ -27,13 +27,13 @@ also writes it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 from typing import Any
+from output import emit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -204,11 +204,7 @@ def main() -> None:
                   "repeat": args.repeat, **summarize(per_rank, args)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

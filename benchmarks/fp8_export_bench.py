@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from typing import Any
+from output import emit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), HERE]
@@ -291,11 +292,7 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]], wall: float) 
                   vocab=args.vocab, repeat=args.repeat, scale_fmt=args.scale_fmt, cpu_cores=os.cpu_count(),
                   gpu=torch.cuda.get_device_name() if args.device == "cuda" else None,
                   wall_s=round(wall, 1), **_summary(ranks, args))
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(report, args.out)
 
 
 def _torchrun_rank(args: argparse.Namespace) -> None:

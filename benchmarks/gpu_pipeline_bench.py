@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from typing import Any
+from output import emit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), HERE]
@@ -372,11 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             report = json.load(f)
         report["wall_s"] = round(time.perf_counter() - started, 1)
-        text = json.dumps(report, indent=1)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        emit(report, args.out)
     if not args.run_dir:
         import shutil
 

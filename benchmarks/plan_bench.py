@@ -47,6 +47,7 @@ import tempfile
 import time
 import zlib
 from typing import Any
+from output import emit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..")]
@@ -451,11 +452,7 @@ def main() -> None:
     result = dict(benchmark="plan_bench", environment=dict(torch=torch.__version__, cpu_cores=os.cpu_count(),
                                                            python=platform.python_version()),
                   args=vars(args), worlds=[run_world(args, w) for w in args.worlds])
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,12 @@ sizes (keys 192, values 128), against float64 attention and log-sum-exp:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from itertools import accumulate
 
 import torch
+from output import emit  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -69,11 +69,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    text = json.dumps([prefix_part(gen), own_part(gen)], indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit([prefix_part(gen), own_part(gen)], args.out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ Prints one JSON object; ``--out FILE`` also writes it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -41,6 +40,7 @@ import sys
 import tempfile
 import time
 from typing import Any
+from output import emit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -271,11 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report = _report(ranks, args, argv)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Shared test checks: the grouped-layout reference conversion and the union-of-pieces check."""
+"""Shared test checks: the grouped-layout reference conversion, the union-of-pieces check, the
+tensors a checkpoint folder stores."""
 
 from __future__ import annotations
 
@@ -45,3 +46,16 @@ def assert_pieces_tile_reference(dumps_by_rank, reference):
     for key in reference:
         assert bool((coverage[key] == 1).all()), f"{key}: elements written {coverage[key].unique().tolist()} times"
         assert torch.equal(assembled[key], reference[key]), key
+
+
+def stored_tensors(path: str) -> dict:
+    """Every tensor of the safetensors files in the folder ``path``, by key."""
+    import os
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out

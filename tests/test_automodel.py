@@ -9,13 +9,14 @@ One spawn runs every case:
   AutoModel's own forward under both policies;
 * ``deepseek_v3_pp``: PP2 x EP2 x FSDP2 through ``instantiate_infrastructure`` + ``AutoPipeline``
   (1F1B), one training step through AutoPipeline's schedule, MMLU through AutoPipeline's stage
-  modules (``AutoPipelineCausalLM``), then the export of the stage modules with the pipeline group;
+  modules (``AutoPipelineCausalLM``), the export of the stage modules with the pipeline group,
+  then AutoPipeline's next training step (one pipeline's stages re-shaped to a shorter batch);
 * ``recipe``: AutoModel's ``train_ft`` with our ``MoEExportFinetuneRecipe``, from the documented
   example YAML (``examples/automodel_moe_export.yaml``, the model, gloo and paths swapped for the
   test's): 3 steps under FSDP2 + EP2, MMLU at step 2 and at the end, its own checkpoint at the last
   step, our export; then a second recipe instance resumes and gets the plugin's MMLU history back;
-* ``recipe_pp``: the same recipe under PP2 x EP2 x FSDP2 (AutoPipeline 1F1B): MMLU at the end
-  through AutoPipeline's stage modules, and the export.
+* ``recipe_pp``: the same recipe under PP2 x EP2 x FSDP2 (AutoPipeline 1F1B): MMLU after every
+  step and at the end through AutoPipeline's stage modules, and the export.
 
 The parent compares each export, tensor for tensor (dtype and value), with the checkpoint
 AutoModel's own adapter (``state_dict_adapter.to_hf``) plus a safetensors save produce from the
@@ -264,28 +265,45 @@ def _pp_case(rank: int, root: str, mmlu_inputs: tuple[str, str]) -> dict:
     info = autopipeline.info
 
     pp = mesh.device_mesh["pp"]
-    ids, labels = token_batch(seed=mesh.device_mesh["dp_shard"].get_local_rank())  # one batch per pipeline
+    dp_rank = mesh.device_mesh["dp_shard"].get_local_rank()
     optimizer = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.05)
-    losses: list[torch.Tensor] = []
-    autopipeline.step(ids, target=labels if info.has_last_stage else None,
-                      losses=losses if info.has_last_stage else None)
-    optimizer.step()
-    optimizer.zero_grad()
+
+    def train_step(ids: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One 1F1B step as AutoModel's recipe runs it: the stages re-shaped to the batch's length first."""
+        losses: list[torch.Tensor] = []
+        autopipeline.update_seq_len(ids.shape[1])
+        autopipeline.step(ids, target=labels if info.has_last_stage else None,
+                          losses=losses if info.has_last_stage else None)
+        optimizer.step()
+        optimizer.zero_grad()
+        return losses
+
+    losses = train_step(*token_batch(seed=dp_rank))  # one batch per pipeline
 
     # MMLU through AutoPipeline's stage modules, forward only, after the training step
     data_dir, tok_dir = mmlu_inputs
     test, dev = load_split_data(data_dir)
     layout = automodel_layout(mesh.device_mesh, mesh.moe_mesh)
-    mmlu = _mmlu_run(evaluate_mmlu(AutoPipelineCausalLM(autopipeline), PreTrainedTokenizerFast.from_pretrained(tok_dir),
-                                   test, dev, layout=layout, **MMLU_OPTS))
+    model = AutoPipelineCausalLM(autopipeline)
+    mmlu = _mmlu_run(evaluate_mmlu(model, PreTrainedTokenizerFast.from_pretrained(tok_dir), test, dev, layout=layout,
+                                   **MMLU_OPTS))
+    # Two more forwards, where one pipeline reuses its cached stages and the other builds new ones
+    # (torch reshards the stage modules it initialises, on those ranks only)
+    for length in (SEQ, SEQ if dp_rank == 0 else SEQ - 3):
+        model(token_batch(seed=200, rows=3)[0][:, :length])
 
     out_dir = os.path.join(root, "deepseek_v3_pp")
     result = export_hf_checkpoint(out_dir, parts, pp_group=pp.get_group())
-    full = _full_state_dict(parts)
+    full = _full_state_dict(parts)  # the weights MMLU saw and the next step starts from
     keys = sorted(k for part in parts for k in part.state_dict())
+    # Training goes on after the evaluation: AutoPipeline's next step, a shorter batch on one
+    # pipeline only (its stages re-shaped, the other pipeline's kept)
+    ids, labels = token_batch(seed=10 + dp_rank)
+    ids, labels = ids[:, :SEQ - 3 * dp_rank], labels[:, :SEQ - 3 * dp_rank]
+    next_losses = train_step(ids, labels)
     return {"stats": _stats(result), "pp_rank": pp.get_local_rank(), "keys": keys, "trained": bool(losses) or None,
-            "mmlu": mmlu,
-            "full": full if mesh.device_mesh["dp_shard"].get_local_rank() == 0 else None, "path": out_dir}
+            "mmlu": mmlu, "next_step": (ids, labels, [loss.item() for loss in next_losses]),
+            "full": full if dp_rank == 0 else None, "path": out_dir}
 
 
 def recipe_model():
@@ -299,8 +317,9 @@ def recipe_model_4_layers():
 
 
 def _pipelined_recipe_case(rank: int, recipe_yaml: str) -> dict:
-    """The recipe under PP2 x EP2 x FSDP2: 3 steps of AutoPipeline's 1F1B, MMLU at the end through
-    AutoPipeline's stage modules, then the export of the stage modules with the pipeline group."""
+    """The recipe under PP2 x EP2 x FSDP2: 3 steps of AutoPipeline's 1F1B, MMLU after every step
+    and at the end through AutoPipeline's stage modules, then the export of the stage modules with
+    the pipeline group. The weights and the evaluation at step 1 are kept for the parent."""
     import traceback
 
     try:
@@ -311,6 +330,22 @@ def _pipelined_recipe_case(rank: int, recipe_yaml: str) -> dict:
         stand_in_for_torch_device_cuda_in_build_model()
         recipe = MoEExportFinetuneRecipe(parse_args_and_load_config(recipe_yaml, argv=[]))
         recipe.setup()
+        step_end, at_step_1 = recipe.moe_export_step_end, {}
+
+        def keep_step_1(step: int) -> None:
+            step_end(step)
+            if step == 1:
+                at_step_1["full"] = _full_state_dict(recipe.model_parts)
+                at_step_1["mmlu"] = _mmlu_run(recipe.moe_export_state._mmlu_callbacks()[0].last_result)
+
+        recipe.moe_export_step_end = keep_step_1
+        lengths, update_seq_len = [], recipe.pp.update_seq_len  # the batch lengths AutoPipeline is re-shaped to
+
+        def record_length(seq_len: int) -> None:
+            lengths.append(seq_len)
+            update_seq_len(seq_len)
+
+        recipe.pp.update_seq_len = record_length
         recipe.run_train_validation_loop()
         results = recipe.moe_export_results
         export = results["export"]
@@ -319,7 +354,8 @@ def _pipelined_recipe_case(rank: int, recipe_yaml: str) -> dict:
         full = _full_state_dict(recipe.model_parts)
         return {"error": None, "stats": _stats(export), "path": export.path, "steps": recipe.step_scheduler.step,
                 "full": full if first_of_stage else None, "mmlu": _mmlu_run(last),
-                "mmlu_steps": [m["step"] for m in results.get("mmlu_during_training", [])]}
+                "full_step_1": at_step_1["full"] if first_of_stage else None, "mmlu_step_1": at_step_1["mmlu"],
+                "mmlu_steps": [m["step"] for m in results.get("mmlu_during_training", [])], "lengths": lengths}
     except Exception:  # reported by the recipe's test
         return {"error": traceback.format_exc()}
 
@@ -404,14 +440,14 @@ def recipe_yaml(root, data_dir: str, tok_dir: str) -> str:
     path = str(root / "recipe.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
-    # PP2 x EP2 x FSDP2: AutoPipeline's 1F1B over 2 microbatches; MMLU at the end, the export
+    # PP2 x EP2 x FSDP2: AutoPipeline's 1F1B over 2 microbatches; MMLU after every step (the batches'
+    # lengths change between steps on one pipeline and not the other) and at the end, the export
     cfg["model"] = {"_target_": "test_automodel.recipe_model_4_layers"}
     cfg["distributed"].update(pp_size=2, pipeline={"pp_schedule": "1f1b", "pp_microbatch_size": 1,
                                                    "patch_inner_model": False, "patch_causal_lm_model": False})
     cfg["step_scheduler"].update(local_batch_size=2, global_batch_size=4)
     cfg["checkpoint"] = {"enabled": False, "checkpoint_dir": str(root / "recipe_pp")}
-    mmlu = {k: v for k, v in cfg["moe_export"]["mmlu"].items() if k != "every_n_steps"}  # at the end only
-    cfg["moe_export"] = {"mmlu": mmlu, "export": {}}
+    cfg["moe_export"] = {"mmlu": {**cfg["moe_export"]["mmlu"], "every_n_steps": 1}, "export": {}}
     pipelined = str(root / "recipe_pp.yaml")
     with open(pipelined, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -488,6 +524,10 @@ def references(ranks, inputs):
             continue
         directory = str(inputs["root"] / "reference" / case)
         refs[case] = (directory, automodel_reference(family, layers, merged_full([r[case] for r in ranks]), directory))
+    if "recipe_pp" in refs:  # the pipelined recipe's weights at step 1, when it evaluated between steps
+        directory = str(inputs["root"] / "reference" / "recipe_pp_step_1")
+        at_step_1 = [{"full": r["recipe_pp"]["full_step_1"]} for r in ranks]
+        refs["recipe_pp_step_1"] = (directory, automodel_reference("deepseek_v3", 4, merged_full(at_step_1), directory))
     return refs
 
 
@@ -595,6 +635,18 @@ def test_mmlu_through_autopipeline_stages_equals_a_single_process_run(ranks, ref
         assert_same_mmlu(r["deepseek_v3_pp"]["mmlu"], want, f"pp rank {r['deepseek_v3_pp']['pp_rank']}")
 
 
+def test_autopipeline_trains_on_after_an_evaluation_with_the_losses_of_its_weights(ranks, references):
+    """After MMLU, AutoPipeline's next 1F1B step (one pipeline's stages re-shaped to a shorter batch)
+    runs, and each microbatch's loss is the single-process model's on the weights MMLU saw."""
+    _, automodel = references["deepseek_v3_pp"]
+    last_stage = [r["deepseek_v3_pp"]["next_step"] for r in ranks if r["deepseek_v3_pp"]["pp_rank"] == 1]
+    assert sorted(ids.shape[1] for ids, _, _ in last_stage) == [SEQ - 3, SEQ]
+    for ids, labels, losses in last_stage:
+        with torch.no_grad():  # one row per microbatch (pp_microbatch_size 1)
+            want = [cross_entropy(automodel(ids[i:i + 1]).logits, labels[i:i + 1]).item() for i in range(len(ids))]
+        assert len(losses) == len(want) and max(abs(a - b) for a, b in zip(losses, want)) <= SCORE_ATOL, (losses, want)
+
+
 def test_train_ft_recipe_with_the_plugin_trains_evaluates_exports_and_verifies(ranks, references, inputs):
     from nemo_moe_export.export import verify_checkpoint
 
@@ -633,13 +685,19 @@ def test_train_ft_under_pipeline_stages_evaluates_and_exports_what_automodel_wri
     errors = [r["recipe_pp"]["error"] for r in ranks if r["recipe_pp"]["error"]]
     assert not errors, errors[0]
     runs = [r["recipe_pp"] for r in ranks]
-    assert all(run["steps"] == 3 and run["mmlu_steps"] == [] for run in runs)
+    # evaluations between 1F1B steps (every_n_steps: 1), and training went on after each
+    assert all(run["steps"] == 3 and run["mmlu_steps"] == [1, 2, 3] for run in runs)
+    # after an evaluation, some step re-shaped AutoPipeline's stages on one pipeline and not the other
+    changes = {tuple(a != b for a, b in zip(run["lengths"], run["lengths"][1:])) for run in runs}
+    assert len(changes) > 1, changes
     import yaml
 
     with open(os.path.join(ROOT, "examples", "automodel_moe_export.yaml")) as f:
         k_shot = yaml.safe_load(f)["moe_export"]["mmlu"]["k_shot"]  # the recipe's, not this file's
+    at_step_1 = single_process_mmlu(references["recipe_pp_step_1"][1], inputs, k_shot=k_shot)
     want = single_process_mmlu(references["recipe_pp"][1], inputs, k_shot=k_shot)  # the final weights
-    for run in runs:  # the evaluation at the end, through AutoPipeline's stage modules
+    for run in runs:  # through AutoPipeline's stage modules: between steps 1 and 2, and at the end
+        assert_same_mmlu(run["mmlu_step_1"], at_step_1, "recipe_pp at step 1")
         assert_same_mmlu(run["mmlu"], want, "recipe_pp")
     path = runs[0]["path"]
     assert path == os.path.join(str(inputs["root"]), "recipe_pp", "hf")
@@ -659,7 +717,5 @@ def test_recipe_settings_default_their_folders_and_refuse_what_cannot_run():
     assert recipe_settings({"export": {"output_dir": "/out"}}, "/ckpt") == {"export": {"output_dir": "/out"}}
     with pytest.raises(ExportInputError, match="unknown moe_export settings.*moe_export.mmlu_eval"):
         recipe_settings({"mmlu_eval": {}}, "/ckpt")
-    assert recipe_settings({"mmlu": {"data_path": "d"}}, "/ckpt", pipelined=True) == {
-        "mmlu": {"output_dir": "/ckpt/mmlu", "data_path": "d"}}
-    with pytest.raises(ExportInputError, match="during training does not run under pipeline stages"):
-        recipe_settings({"mmlu": {"data_path": "d", "every_n_steps": 2}}, "/ckpt", pipelined=True)
+    with pytest.raises(ExportInputError, match="moe_export section of the recipe YAML is not a mapping"):
+        recipe_settings(["mmlu"], "/ckpt")

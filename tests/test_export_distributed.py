@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nemo_moe_export.spawn import SpawnError, spawn
+from nemo_moe_export.spawn import spawn
 
 INPUT = torch.randint(3, 60, (2, 11), generator=torch.Generator().manual_seed(5))
 

@@ -19,7 +19,6 @@ into a sharded model with every weight equal to the reference dequantized.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from nemo_moe_export.spawn import spawn
+from checks import stored_tensors
 
 SIZES = dict(hidden_size=200, moe_intermediate_size=136, vocab_size=64)
 BLOCK = 128
@@ -177,21 +177,13 @@ def _expected(case: Case) -> dict[str, torch.Tensor]:
     return out
 
 
-def _stored(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_sharded_fp8_export_equals_whole_tensor_quantization_byte_for_byte(case, exported):
     from nemo_moe_export.export import verify_checkpoint
 
     workdir, per_rank = exported
     path = os.path.join(workdir, case.name)
-    expected, stored = _expected(case), _stored(path)
+    expected, stored = _expected(case), stored_tensors(path)
     assert sorted(stored) == sorted(expected)
     assert sum(1 for t in stored.values() if t.dtype == torch.float8_e4m3fn) > 20
     for key, want in expected.items():
@@ -215,7 +207,7 @@ def test_sharded_fp8_export_equals_whole_tensor_quantization_byte_for_byte(case,
 
 def test_zero_blocks_get_scale_one_and_decode_to_zero(exported):
     workdir, _ = exported
-    stored = _stored(os.path.join(workdir, CASES[0].name))
+    stored = stored_tensors(os.path.join(workdir, CASES[0].name))
     key = "model.layers.0.mlp.gate_proj.weight"
     scale = stored[key + "_scale_inv"]
     assert scale.shape == (4, 2) and scale[0, 0] == 1.0 and scale[3, 1] == 1.0  # the two zero blocks
@@ -262,7 +254,7 @@ def test_expert_shares_reduced_in_runs_equal_the_reference(layout, expert_runs, 
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     result = export_hf_checkpoint(tmp_path / "fp8", state_dict=sd if layout == "fused" else to_grouped_layout(sd),
                                   config=model.config, quantize="fp8_block", scale_fmt=RUN_CASE.scale_fmt)
-    expected, stored = _expected(RUN_CASE), _stored(str(tmp_path / "fp8"))
+    expected, stored = _expected(RUN_CASE), stored_tensors(str(tmp_path / "fp8"))
     assert sorted(stored) == sorted(expected)
     for key, want in expected.items():
         assert torch.equal(stored[key].contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)), key
@@ -291,7 +283,7 @@ def test_fp8_export_loads_in_transformers_with_the_reference_weights(family, sca
     loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "fp8", dtype=torch.bfloat16,
                                                         output_loading_info=True)
     assert not any(info.values()), info
-    stored, weights = _stored(str(tmp_path / "fp8")), loaded.state_dict()
+    stored, weights = stored_tensors(str(tmp_path / "fp8")), loaded.state_dict()
     ours = {k[: -len("_scale_inv")] for k in stored if k.endswith("_scale_inv")}
     assert ours and all(stored[k].dtype == torch.float8_e4m3fn for k in ours)
     for key in ours & set(weights):  # per-expert keys are fused in memory; the dense ones compare directly
@@ -364,7 +356,7 @@ def test_bad_fp8_inputs_are_refused_before_anything_is_written(tmp_path):
     # Given regexes replace the table's list; keep_dtype keys are never quantized.
     result = export_hf_checkpoint(tmp_path / "kimi", kimi, quantize="fp8_block", quantize_keys=[r"\.experts\.\d+\."],
                                   keep_dtype=[r"\.w2\."])
-    stored = _stored(str(tmp_path / "kimi"))
+    stored = stored_tensors(str(tmp_path / "kimi"))
     quantized = sorted(k for k, t in stored.items() if t.dtype == torch.float8_e4m3fn)
     assert quantized and all(re.search(r"\.experts\.\d+\.w[13]\.weight$", k) for k in quantized)
     assert result.tensors == len(stored)

@@ -70,6 +70,14 @@ def write_mmlu_csvs(root: str, subjects: dict[str, int] = SUBJECTS, seed: int = 
                     writer.writerow([_sentence(rng, 1, 30) + "?", *choices, rng.choice("ABCD")])
 
 
+def write_mmlu_inputs(root, subjects) -> dict[str, str]:
+    """Under ``root``: an MMLU folder of ``subjects`` (``data``) and the tests' tokenizer (``tok``)."""
+    data_dir, tok_dir = str(root / "data"), str(root / "tok")
+    write_mmlu_csvs(data_dir, subjects)
+    build_tokenizer().save_pretrained(tok_dir)
+    return {"data": data_dir, "tok": tok_dir}
+
+
 def build_tokenizer(answer_merges: bool = True):
     """Byte-level BPE (GPT-2 style) whose merges cover the prompt words. With ``answer_merges``
     " A".." D" are single tokens; without, the corpus never shows a space before a capital letter,

@@ -76,9 +76,9 @@ def _count_agreements(model, tok, test, dev, layout, mode) -> dict:
 
     calls, agree = [], Coordinator.agree
 
-    def counted(self, step, error=None):
+    def counted(self, step, error=None, **shared):
         calls.append(step)
-        return agree(self, step, error)
+        return agree(self, step, error, **shared)
 
     Coordinator.agree = counted
     try:

@@ -24,7 +24,6 @@ from nemo_moe_export.evaluate.prompts import (
     multi_token_answers,
     select_fewshot,
     single_token_answer_ids,
-    tok_encode,
     truncate_left,
 )
 from nemo_moe_export.evaluate.scoring import (

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from nemo_moe_export.spawn import spawn
-from test_mmlu_eval import K_SHOT, FailAtForward, build_tokenizer, load_split_data, write_mmlu_csvs
+from test_mmlu_eval import K_SHOT, FailAtForward, load_split_data, write_mmlu_inputs
 
 WORLD = 4
 # 20 questions in 5 batches of 4: under lockstep one pipeline runs 3 batches, the other 2 and a dummy
@@ -298,10 +298,7 @@ def _worker(rank: int, world: int, data_dir: str, tok_dir: str) -> dict:
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    data_dir, tok_dir = str(root / "data"), str(root / "tok")
-    write_mmlu_csvs(data_dir, SUBJECTS)
-    build_tokenizer().save_pretrained(tok_dir)
-    return {"data": data_dir, "tok": tok_dir}
+    return write_mmlu_inputs(root, SUBJECTS)
 
 
 @pytest.fixture(scope="module")

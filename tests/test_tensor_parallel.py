@@ -25,11 +25,11 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from nemo_moe_export.spawn import spawn
 from test_fp8_export import FP8_RULE, reference_fp8
-from test_mmlu_eval import BATCH, K_SHOT, ForwardCounter, _plan, build_tokenizer, load_split_data, write_mmlu_csvs
+from test_mmlu_eval import BATCH, K_SHOT, ForwardCounter, _plan, load_split_data, write_mmlu_inputs
+from checks import stored_tensors
 
 WORLD = 4
 SUBJECTS = {"abstract_algebra": 5, "philosophy": 5, "sociology": 6, "virology": 4}  # 20 questions, 5 batches
@@ -208,10 +208,7 @@ def _worker(rank: int, world: int, data_dir: str, tok_dir: str, out_dir: str) ->
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tensor-parallel")
-    data_dir, tok_dir = str(root / "data"), str(root / "tok")
-    write_mmlu_csvs(data_dir, SUBJECTS)
-    build_tokenizer().save_pretrained(tok_dir)
-    return {"data": data_dir, "tok": tok_dir, "out": str(root / "out")}
+    return write_mmlu_inputs(root, SUBJECTS) | {"out": str(root / "out")}
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +224,7 @@ def saved(tmp_path_factory):
     for family in FAMILY_KW:
         path = tmp_path_factory.mktemp(f"saved-{family}")
         build_model(family).save_pretrained(path)
-        out[family] = _stored(str(path))
+        out[family] = stored_tensors(str(path))
     return out
 
 
@@ -246,14 +243,6 @@ def reference(inputs):
             result = evaluate_mmlu(build_model(family).eval(), tok, test, dev,
                                    **(MMLU_OPTS | {"batch_size": 1, "shared_prefix": False}))
         out[family] = {"pred": result.predictions, "scores": [r["scores"] for r in result.records]}
-    return out
-
-
-def _stored(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
     return out
 
 
@@ -321,7 +310,7 @@ def test_export_equals_save_pretrained_and_writes_each_byte_once(case, ranks, in
 
     family = case.split("-", 1)[1]
     path = os.path.join(inputs["out"], case)
-    _assert_equal_tensors(_stored(path), saved[family], case)
+    _assert_equal_tensors(stored_tensors(path), saved[family], case)
     assert verify_checkpoint(path).ok
     results = [r[case]["export"] for r in ranks]
     assert sum(r["bytes"] for r in results) == results[0]["total"]
@@ -384,7 +373,7 @@ def test_fp8_export_under_tp_equals_quantizing_the_unsharded_model(scale_fmt, ra
             expected[key], expected[key + "_scale_inv"] = reference_fp8(w, scale_fmt)
         else:
             expected[key] = w
-    _assert_equal_tensors(_stored(path), expected, f"fp8 {scale_fmt}")
+    _assert_equal_tensors(stored_tensors(path), expected, f"fp8 {scale_fmt}")
     assert tuple(expected["model.layers.0.mlp.down_proj.weight_scale_inv"].shape) == (1, 3)  # 384 columns: 3 blocks
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["quantization_config"].get("scale_fmt") == scale_fmt

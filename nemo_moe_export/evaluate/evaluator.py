@@ -65,6 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nemo_moe_export.collectives import fingerprint_words
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.evaluate.data import Question
 from nemo_moe_export.evaluate.options import MMLUOptions
@@ -155,8 +156,9 @@ def evaluate_mmlu(
     prepared_at = time.perf_counter()
     # the first collective: every rank arrived, with the same plan
     coordinator = coordinator or phase_coordinator(layout, timeout_s=opts.timeout_s, name=name)
-    _agree(coordinator, "prepare", None, opts.policy)
-    coordinator.require_same("MMLU batch plan", plan_fingerprint(prepared, batches, plan), key="questions",
+    fingerprint = plan_fingerprint(prepared, batches, plan)  # compared through words on the agreement
+    summed = _agree(coordinator, "prepare", None, opts.policy, sums=fingerprint_words(fingerprint))
+    coordinator.require_same("MMLU batch plan", fingerprint, key="questions", summed=summed,
                              hint="every rank must evaluate the same questions with the same tokenizer and options "
                                   "(and, with tokens_per_batch=None, on the same kind of device)")
     # 3. forward steps, with an agreement every opts.agree_every steps
@@ -299,7 +301,7 @@ def phase_coordinator(layout: ParallelLayout, *, timeout_s: float = MMLUOptions.
     """The coordinator over ``layout``'s data-parallel group that closes each evaluation phase.
 
     It runs on a gloo group of its own whose default timeout is ``timeout_s``: the agreement's
-    point-to-point sends and all-gathers must wait as long as its monitored barrier, or a rank that
+    point-to-point sends and all-gathers must wait as long as the agreement does, or a rank that
     arrives early (its peers still stuck in a forward) would give up after the *model* group's
     shorter timeout and leave the others without an answer. Creating it is a collective over the
     whole world (every rank, every DP group at once); create it once and pass it to
@@ -364,10 +366,11 @@ def _left(left: PeerError, name: str, policy: str, aborted: list[str]) -> PeerEr
                      step=left.step, ranks=left.ranks)
 
 
-def _agree(coordinator: Coordinator, step: str, error: BaseException | None, policy: str) -> None:
+def _agree(coordinator: Coordinator, step: str, error: BaseException | None, policy: str,
+           sums: torch.Tensor | None = None) -> torch.Tensor | None:
     """``coordinator.agree`` with a message that reads "mmlu step 3 of 12" on every rank."""
     try:
-        coordinator.agree(step, error)
+        return coordinator.agree(step, error, sums=sums)
     except PeerError as exc:
         raise PeerError(f"MMLU evaluation ({policy}) failed at {coordinator.name} step {step}: {exc}",
                         step=exc.step, ranks=exc.ranks) from exc

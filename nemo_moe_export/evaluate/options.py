@@ -9,7 +9,7 @@ field, so ``mmlu.policy=lockstpe`` is refused when the config is built, before t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from nemo_moe_export.options import Options, require
 

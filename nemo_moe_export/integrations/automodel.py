@@ -93,8 +93,9 @@ class AutoPipelineCausalLM(PipelinedCausalLM):
     a pre-hook on ``lm_head`` keeps only the scored positions. ``n_microbatches`` (default: the
     stage count) and ``dtype`` (hidden states between stages and logits; default
     ``config.dtype``) as :class:`~nemo_moe_export.pipeline.PipelinedCausalLM` takes them.
-    Evaluate after the last training step: after an evaluation between steps, AutoPipeline's next
-    1F1B step hangs (a known limit, docs/design.md#nemo-automodel).
+    Every call leaves the stage modules' ``fully_shard`` weights resharded, as a training step
+    does, so AutoPipeline's next 1F1B step runs after an evaluation between steps
+    (docs/design.md#nemo-automodel).
     """
 
     def __init__(self, autopipeline: Any, n_microbatches: int | None = None, *,
@@ -198,12 +199,9 @@ class MoEExportRecipeMixin:
         return self._moe_ctx.results
 
 
-def recipe_settings(section: Any, checkpoint_dir: str | None, *, pipelined: bool = False) -> dict[str, Any]:
+def recipe_settings(section: Any, checkpoint_dir: str | None) -> dict[str, Any]:
     """The plugin's settings from a recipe YAML's ``moe_export:`` section (``mmlu`` and ``export``,
-    each optional). Output folders default to ``{checkpoint_dir}/mmlu`` and ``{checkpoint_dir}/hf``.
-    Under pipeline stages (``pipelined``) MMLU runs at the end of training only: after an evaluation
-    between steps, AutoPipeline's next 1F1B step waits forever on its point-to-point exchange
-    (seen with AutoModel 0.7.0, torch 2.13; docs/design.md#nemo-automodel), so ``every_n_steps`` is refused."""
+    each optional). Output folders default to ``{checkpoint_dir}/mmlu`` and ``{checkpoint_dir}/hf``."""
     settings = _plain(section) if section is not None else {}
     if not isinstance(settings, dict):
         raise ExportInputError("the moe_export section of the recipe YAML is not a mapping", key="moe_export",
@@ -214,11 +212,6 @@ def recipe_settings(section: Any, checkpoint_dir: str | None, *, pipelined: bool
         raise ExportInputError("unknown moe_export settings in the recipe YAML", key=f"moe_export.{unknown[0]}",
                                expected="the sections mmlu and export", actual=unknown,
                                hint="MMLU options go under moe_export.mmlu, export options under moe_export.export")
-    if pipelined and (settings.get("mmlu") or {}).get("every_n_steps") is not None:
-        raise ExportInputError(
-            "MMLU during training does not run under pipeline stages", key="moe_export.mmlu.every_n_steps",
-            expected="no every_n_steps when distributed.pp_size > 1 (MMLU runs at the end)",
-            actual=settings["mmlu"]["every_n_steps"], hint="remove every_n_steps; the evaluation at the end runs")
     base = checkpoint_dir or "."
     out: dict[str, Any] = {}
     if settings.get("mmlu") is not None:
@@ -292,16 +285,16 @@ def _finetune_recipe_class() -> type:
         Hook points (AutoModel has no callback registry): ``setup`` (the settings are validated and
         the adapter built before the first step; the MMLU history comes back with a checkpoint,
         :class:`PluginState`), ``_run_train_optim_step`` (after each optimizer step) and
-        ``run_train_validation_loop`` (after the loop). Under pipeline stages MMLU runs at the end,
-        through AutoPipeline's stage modules (:class:`AutoPipelineCausalLM`; ``every_n_steps`` is
-        refused, :func:`recipe_settings`), and the export takes the stage modules with the pipeline group.
+        ``run_train_validation_loop`` (after the loop). Under pipeline stages MMLU runs through
+        AutoPipeline's stage modules (:class:`AutoPipelineCausalLM`, between 1F1B steps and at the
+        end), and the export takes the stage modules with the pipeline group.
         """
 
         def setup(self) -> None:
             self.moe_export_state = PluginState()  # tracked before super().setup() loads a checkpoint
             super().setup()
             settings = recipe_settings(self.cfg.get("moe_export", None),
-                                       self.cfg.get("checkpoint.checkpoint_dir", None), pipelined=self.pp_enabled)
+                                       self.cfg.get("checkpoint.checkpoint_dir", None))
             if self.pp_enabled:
                 # no hook exports a list of stages: the export runs at the end with the pipeline group
                 self._moe_pipeline_export = settings.pop("export", None)

@@ -13,7 +13,12 @@ look at later shapes (torch 2.13), so a stage and its schedule are built per bat
 the shapes given statically (no metadata-inference forward; hidden states travel in ``dtype``),
 and the most recent ones are cached. torch sets the gradients of ``fully_shard`` stages to None
 when it initialises a schedule, so evaluate (or change shapes) between optimizer steps, not in
-the middle of gradient accumulation.
+the middle of gradient accumulation. It also reshards their ``fully_shard`` modules then, on the
+ranks that initialise a stage only; a module that keeps its weights gathered after a forward
+(``reshard_after_forward=False``, the usual setting under pipeline stages) would then all-gather
+on some ranks of its data-parallel group and not on others, a hang. So every schedule step starts
+and ends with this rank's ``fully_shard`` modules resharded (local, no collective), the state a
+training step leaves them in.
 Every call is cut into exactly ``n_microbatches`` microbatches, whatever its rows: a stage runs the
 same number of forwards on every rank, which keeps expert-parallel all-to-alls and FSDP
 all-gathers inside each stage in lockstep across pipelines that evaluate different batches; a
@@ -38,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.distributed_c10d import _get_default_store
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -243,11 +249,13 @@ class PipelinedCausalLM(nn.Module):
         schedule holds only its receive buffers."""
         stages, schedule = self._compiled(_Shape(rows // self.n_microbatches, length, kept, loss_fn is not None),
                                           loss_fn)
+        _reshard(self.parts)  # as torch reshards a stage it initialises: the same state on every rank
         try:
             return schedule.step(*args, **step_kwargs)
         finally:
             for stage in stages:
                 stage.clear_runtime_states()
+            _reshard(self.parts)  # what comes next (another shape, another schedule) finds them sharded
 
     def _compiled(self, shape: _Shape, loss_fn: Callable[..., torch.Tensor] | None) -> tuple[list[Any], Any]:
         """The stages and schedule for ``shape``, built on first use; the least recently used are
@@ -317,6 +325,18 @@ def _row_positions(keep: int | torch.Tensor, rows: int, length: int, device: tor
                                expected=f"an int, [n] or [{rows}, n] integer positions",
                                actual=f"{keep.dtype} {tuple(keep.shape)}")
     return keep
+
+
+def _reshard(parts: Sequence[nn.Module]) -> None:
+    """Free the gathered weights of every ``fully_shard`` module in ``parts`` (local, no collective).
+
+    torch's pipeline schedule reshards a stage's modules when it initialises that stage, on the
+    ranks that initialise one; a module left gathered by a forward (``reshard_after_forward=False``)
+    would then all-gather on those ranks only, and its data-parallel group would hang."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
 
 def _config_dtype(config: Any) -> torch.dtype:

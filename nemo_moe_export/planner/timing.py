@@ -26,7 +26,10 @@ Assumptions:
   the butterfly too. Nothing is gathered unless a check fails. The replica check's other groups
   are the model's own (DTensor meshes): their two all-reduces each (a header, the checksums) are
   gloo rings on CPUs, ``2 (g - 1)`` hops of ``vector_hop_s`` on a group of ``g`` ranks; on GPUs
-  they run on NCCL, modelled with the same hops (an upper bound).
+  they run on NCCL, modelled with the same hops (an upper bound). The agreements stay on gloo on
+  GPU jobs too (a wait on NCCL cannot be bounded by the export's timeout without aborting its
+  communicator); ``agreements_on_nccl_s`` says what they would cost there, at
+  ``nccl_all_reduce_s`` each (an assumption: state your cluster's).
 * **Pipeline stages** (``export/stages.py``, ``step._lay_out_stages``) add, once per export: each
   rank's pipeline rank in a vector of ``W`` words summed on the butterfly (the stage peers); the
   stage peers' gloo group (made once per job, opened by its ``S = W / pp_size`` members and
@@ -115,6 +118,7 @@ DEFAULT_ROUND_S = 3.1e-4
 DEFAULT_VECTOR_HOP_S = 1.7e-4
 DEFAULT_GATHER_HOP_S = 2.3e-4
 DEFAULT_CONNECT_S = 1.8e-3
+DEFAULT_NCCL_ALL_REDUCE_S = 1e-4
 
 
 def all_reduce_hops(group: int) -> int:
@@ -139,6 +143,9 @@ class TimeModel:
     vector_hop_s: float = DEFAULT_VECTOR_HOP_S  # one hop of a ring all-reduce of a vector
     gather_hop_s: float = DEFAULT_GATHER_HOP_S  # one hop of an object all-gather
     group_connect_s: float = DEFAULT_CONNECT_S  # one peer connection in a gloo group (made on first use)
+    # one small all-reduce on the job's NCCL group: what the agreements would cost there (an
+    # assumption, not measured here: nccl-tests' all_reduce_perf at 8 bytes gives yours)
+    nccl_all_reduce_s: float = DEFAULT_NCCL_ALL_REDUCE_S
 
     def __post_init__(self) -> None:
         from nemo_moe_export.errors import ExportInputError
@@ -147,7 +154,8 @@ class TimeModel:
             if not getattr(self, name) > 0:
                 raise ExportInputError("bandwidth must be positive", key=name, expected="> 0 bytes/s",
                                        actual=getattr(self, name))
-        for name in ("file_op_s", "collective_latency_s", "vector_hop_s", "gather_hop_s", "group_connect_s"):
+        for name in ("file_op_s", "collective_latency_s", "vector_hop_s", "gather_hop_s", "group_connect_s",
+                     "nccl_all_reduce_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ExportInputError("a time cannot be negative", key=name, expected=">= 0 seconds", actual=value)
@@ -272,6 +280,8 @@ def predict(simulation, model: TimeModel) -> dict:
                replica_check_s=round(check_s, 4), coverage_s=round(carried_s, 4), agreements_s=round(agree_s, 4),
                validate_compute_s=round(validate_s, 4), files_and_metadata_s=round(files_s, 4),
                declared_check_s=round(declared_s, 4), row_exchange_s=round(exchange_s, 4),
+               # the same agreements on NCCL instead (GPU jobs): what they would cost, for comparison
+               agreements_on_nccl_s=round(AGREEMENTS * model.nccl_all_reduce_s if world > 1 else 0.0, 4),
                coordination_s=round(coordination_s, 4),
                coordination_share=round(coordination_s / total, 4) if total else 0.0,
                steps={k: round(v, 4) for k, v in steps.items()}, crowding=round(crowding, 3), nodes=len(nodes),
