@@ -336,7 +336,7 @@ def _measure(ctx: Any, cfg: Any, args: argparse.Namespace) -> None:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    from nemo_moe_export.cli import load_config
+    from nemo_moe_export.recipe.compose import load_config
     from nemo_moe_export.recipe.stages import run_recipe
 
     cfg = load_config(RECIPE, [f"run_dir={args.run_dir}", *args.overrides])

@@ -38,11 +38,11 @@ from pathlib import Path
 from typing import Any
 
 # Config composition lives a layer down (recipe/compose.py), shared with the NeMo-Run launcher, so
-# neither imports the other. load_config stays importable from here for scripts that used it.
+# neither imports the other.
 from nemo_moe_export.recipe.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
                                             split_recipe_args, user_config_dirs)
 
-__all__ = ["DEBUG_ENV", "load_config", "main"]
+__all__ = ["DEBUG_ENV", "main"]
 
 DEBUG_ENV = "NEMO_MOE_EXPORT_DEBUG"  # "1": tracebacks instead of one-line errors (as --debug)
 USAGE_ERROR, JOB_ERROR = 2, 1  # exit statuses: a bad command line or config; an input refused while running

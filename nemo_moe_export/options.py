@@ -7,7 +7,7 @@ them (``config.py``) and the library entry points read them, so no default is wr
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Any, TypeVar
 
 from nemo_moe_export.errors import ExportInputError
@@ -37,10 +37,6 @@ class Options:
             n: getattr(options, n) for n in names if options is not None and hasattr(options, n)}
         base = {k: v for k, v in source.items() if k in names}
         return cls(**{**base, **overrides})
-
-    def with_(self: T, **changes: Any) -> T:
-        """A validated copy with ``changes``."""
-        return replace(self, **changes)  # type: ignore[type-var]
 
 
 def require(ok: bool, what: str, key: str, expected: str, actual: Any) -> None:

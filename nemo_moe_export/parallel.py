@@ -235,10 +235,6 @@ class Coordinator:
             self._reduce_in_time(step, tensor, op, None)
         return tensor
 
-    def all_reduce_sum(self, tensor: Any) -> Any:
-        """Sum a CPU tensor over the group (under the coordinator's timeout)."""
-        return self.all_reduce(tensor, "sum")
-
     def _reduce_in_time(self, step: str, tensor: torch.Tensor, op: str, error: BaseException | None) -> None:
         if self._broken_at is not None:
             raise PeerError(f"{self.name} step '{step}': coordination already broke at step '{self._broken_at}'",

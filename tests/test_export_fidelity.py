@@ -174,7 +174,7 @@ def _mtp_export(rank, world, workdir):
     no_mtp.num_nextn_predict_layers = 0
     opted_out = export_hf_checkpoint(os.path.join(workdir, "mtp-optout"), model, adapter=adapter, config=no_mtp,
                                      passthrough=False, extra=framework, timeout_s=60)
-    return dict(held=held, keys=report.passthrough_keys, result=result, opted_out=opted_out,
+    return dict(held=held, keys=sorted(report.passthrough), result=result, opted_out=opted_out,
                 contradiction=contradiction, contradiction_written=os.path.exists(os.path.join(workdir, "mtp-contradiction")))
 
 

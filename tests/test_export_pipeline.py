@@ -113,7 +113,7 @@ def _reload(case, workdir):
     want = {k: local(v) for part in exported for k, v in part.state_dict().items()}
     got = {k: local(v) for part in fresh for k, v in part.state_dict().items()}
     return dict(equal=sorted(k for k in want if torch.equal(want[k], got[k])), keys=sorted(want),
-                bytes_read=report.bytes_read, passthrough=report.passthrough_keys)
+                bytes_read=report.bytes_read, passthrough=sorted(report.passthrough))
 
 
 def _tied(rank, workdir):

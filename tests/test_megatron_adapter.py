@@ -136,7 +136,7 @@ def test_each_ep_rank_maps_its_experts_to_their_global_ids(family, layout, te, s
         assert set(pieces) == set(references[rank])
         for key, piece in pieces.items():
             want = references[rank][key]
-            assert piece.is_whole and piece.tensor.dtype == want.dtype and torch.equal(piece.tensor, want), key
+            assert tuple(piece.tensor.shape) == piece.global_shape and piece.tensor.dtype == want.dtype and torch.equal(piece.tensor, want), key
             source = tensors[piece.source_key]
             is_view = piece.tensor.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()
             assert is_view or key.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")), key

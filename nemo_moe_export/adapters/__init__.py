@@ -1,9 +1,11 @@
 """State-dict adapters: one engine (``engine.py``) and one small table per model family (``tables.py``).
 
-Layers, lowest first: ``sources.py`` (checkpoint readers) <- ``fp8.py`` (the FP8 block reader) <-
-``engine.py`` <- ``tables.py`` (transformers / NeMo AutoModel names) and ``tables_megatron.py``
-(megatron-core names; picked when the config carries an ``in_memory_layout``, as the configs of
-``nemo_moe_export.megatron`` do).
+Layers, lowest first, each importing only those below it: ``protocol.py`` (the adapter protocol and
+its records: ``BaseStateDictAdapter``, ``HFShard``, ``LoadReport``, ``TensorMeta``) <- ``sources.py``
+(checkpoint readers) <- ``fp8.py`` (the FP8 block reader) <- ``passthrough.py`` (checkpoint tensors
+the model has no parameter for) <- ``engine.py`` <- ``tables.py`` (transformers / NeMo AutoModel
+names) and ``tables_megatron.py`` (megatron-core names; picked when the config carries an
+``in_memory_layout``, as the configs of ``nemo_moe_export.megatron`` do).
 
 >>> adapter = get_adapter(model.config)          # picked by config.model_type
 >>> shards = adapter.to_hf(model.state_dict())   # {hf_key: HFShard}, views of this rank's shards
@@ -15,10 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_moe_export.adapters.engine import (
-    HFShard,
     InMemoryLayout,
     KeyRule,
-    LoadReport,
     LocalExperts,
     ModelTable,
     StateDictAdapter,
@@ -26,12 +26,14 @@ from nemo_moe_export.adapters.engine import (
     model_parts,
     state_dict_of,
 )
-from nemo_moe_export.adapters.sources import SafetensorsSource, TensorDictSource, TensorMeta
+from nemo_moe_export.adapters.protocol import BaseStateDictAdapter, HFShard, LoadReport, TensorMeta
+from nemo_moe_export.adapters.sources import SafetensorsSource, TensorDictSource
 from nemo_moe_export.adapters.tables import TABLES as _TRANSFORMERS_TABLES
 from nemo_moe_export.adapters.tables_megatron import MEGATRON_TABLES
 from nemo_moe_export.errors import ExportInputError
 
 __all__ = [
+    "BaseStateDictAdapter",
     "HFShard",
     "InMemoryLayout",
     "KeyRule",

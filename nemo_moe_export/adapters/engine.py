@@ -16,6 +16,10 @@ a view of the rank's shard. The same mapping serves both directions:
 The global key list and shapes (``hf_metadata``) derive from global shapes only, so every rank
 computes the same answer without communicating; validation uses it, so every rank raises the same
 error before anything is touched.
+
+:class:`StateDictAdapter` implements the adapter protocol of ``protocol.py``
+(:class:`~nemo_moe_export.adapters.protocol.BaseStateDictAdapter`, whose records ``HFShard``,
+``LoadReport`` and ``TensorMeta`` live there too).
 """
 
 from __future__ import annotations
@@ -30,15 +34,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from nemo_moe_export.adapters.fp8 import open_source
 from nemo_moe_export.adapters.passthrough import group_place, read_passthrough, split_extra_keys
-from nemo_moe_export.adapters.sources import TensorDictSource, TensorMeta
+from nemo_moe_export.adapters.protocol import BaseStateDictAdapter, HFShard, LoadReport, TensorMeta
+from nemo_moe_export.adapters.sources import TensorDictSource
 from nemo_moe_export.errors import ExportInputError, current_rank
 from nemo_moe_export.layout import LocalBox, local_box
 
-__all__ = ["HFShard", "InMemoryLayout", "KeyRule", "LoadReport", "LocalExperts", "ModelTable", "StateDictAdapter",
-           "expert_rules", "model_parts", "state_dict_of"]
+__all__ = ["InMemoryLayout", "KeyRule", "LocalExperts", "ModelTable", "StateDictAdapter", "expert_rules",
+           "model_parts", "state_dict_of"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,56 +180,6 @@ class InMemoryLayout:
 
 
 # --------------------------------------------------------------------------------------------------
-# What the engine returns
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HFShard:
-    """One rank's part of one HF tensor.
-
-    ``tensor`` is a view of the rank's own shard (HF orientation; possibly non-contiguous when
-    the in-memory layout is transposed relative to HF). It covers ``offsets[d] : offsets[d] +
-    tensor.shape[d]`` of a tensor of ``global_shape``. ``primary`` is True on exactly one of the
-    ranks holding this same part, so writing only primaries writes each byte once. ``replica`` /
-    ``replicas`` number the ranks holding this same part (``layout.LocalBox``; primary is holder 0),
-    so the export can let every holder write a share of it (docs/design.md#replica-agreement).
-    """
-
-    key: str
-    global_shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-    tensor: torch.Tensor
-    primary: bool
-    source_key: str
-    expert: int | None = None
-    replica: int = 0
-    replicas: int = 1
-
-    @property
-    def is_whole(self) -> bool:
-        return tuple(self.tensor.shape) == self.global_shape
-
-
-@dataclass
-class LoadReport:
-    """What ``from_hf`` read on this rank."""
-
-    bytes_read: int = 0
-    expert_bytes_read: int = 0
-    slices_read: int = 0
-    keys_filled: list[str] = field(default_factory=list)
-    # Checkpoint tensors the model has no parameter for, kept as this rank's slice of each
-    # (docs/design.md#pass-through-tensors); export_hf_checkpoint(..., extra=) writes them back.
-    passthrough: dict[str, HFShard] = field(default_factory=dict)
-    passthrough_bytes_read: int = 0
-
-    @property
-    def passthrough_keys(self) -> list[str]:
-        return sorted(self.passthrough)
-
-
-# --------------------------------------------------------------------------------------------------
 # The engine
 # --------------------------------------------------------------------------------------------------
 
@@ -261,12 +217,10 @@ def world_replica() -> tuple[int, int]:
     rank = current_rank()
     if rank is None:
         return 0, 1
-    import torch.distributed as dist
-
     return rank, dist.get_world_size()
 
 
-class StateDictAdapter:
+class StateDictAdapter(BaseStateDictAdapter):
     """Maps a model family's in-memory state dict to HF per-expert keys and back, for any sharding.
 
     Build it from the model's HF config (``get_adapter(config)`` picks the table by
@@ -651,8 +605,6 @@ def _other_stages_keys(expected: Mapping[str, TensorMeta], pp_group: Any) -> fro
     """The HF keys the other ranks of the pipeline group load (one object all-gather over it)."""
     if pp_group is None:
         return frozenset()
-    import torch.distributed as dist
-
     every: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(every, sorted(expected), group=pp_group)
     return frozenset(k for keys in every for k in keys) - set(expected)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from nemo_moe_export.adapters.sources import SafetensorsSource, TensorMeta
+from nemo_moe_export.adapters.protocol import TensorMeta
+from nemo_moe_export.adapters.sources import SafetensorsSource
 from nemo_moe_export.errors import ExportInputError
 
 __all__ = ["E4M3_MAX", "FP8_BLOCK", "FP8_DTYPE", "SCALE_SUFFIX", "Fp8BlockSource", "block_scales", "fp8_block_size",

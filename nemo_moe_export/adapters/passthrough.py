@@ -20,8 +20,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from nemo_moe_export.adapters.sources import TensorMeta
+from nemo_moe_export.adapters.protocol import HFShard, TensorMeta
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.layout import get_sharded_expert_range, local_box
 
@@ -46,8 +47,6 @@ def split_extra_keys(extra: Iterable[str], expected: Iterable[str]) -> tuple[lis
 
 def group_place(group: Any = None) -> tuple[int, int]:
     """``(rank, size)`` of this process in ``group`` (default: the world; ``(0, 1)`` alone)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
@@ -61,12 +60,10 @@ def _stored_meta(src: Any, key: str) -> TensorMeta:
     return meta
 
 
-def read_passthrough(src: Any, keys: Iterable[str], place: tuple[int, int]) -> dict[str, Any]:
+def read_passthrough(src: Any, keys: Iterable[str], place: tuple[int, int]) -> dict[str, HFShard]:
     """``{key: HFShard}``: this rank's chunk-rule slice of dim 0 of each tensor (``place`` is
     ``(rank, size)`` in the export group). A 0-dim tensor is held by rank 0; a rank whose slice is
     empty holds an empty tensor of the right dtype, so every rank knows every key's dtype."""
-    from nemo_moe_export.adapters.engine import HFShard
-
     rank, size = place
     out = {}
     for key in sorted(keys):
@@ -83,15 +80,13 @@ def read_passthrough(src: Any, keys: Iterable[str], place: tuple[int, int]) -> d
     return out
 
 
-def extra_pieces(extra: Mapping[str, Any], plain_replica: tuple[int, int]) -> dict[str, Any]:
+def extra_pieces(extra: Mapping[str, Any], plain_replica: tuple[int, int]) -> dict[str, HFShard]:
     """``{hf_key: HFShard}`` for tensors handed to the export beside the model's state dict.
 
     An ``HFShard`` (what ``from_hf`` kept) is taken as it is; a plain tensor is a whole tensor held
     by every rank of the export group (``plain_replica``: this rank's place in it); a DTensor is
     read through its own placements. Names are HF names, written as they are.
     """
-    from nemo_moe_export.adapters.engine import HFShard
-
     out = {}
     for key, value in extra.items():
         if isinstance(value, HFShard):
@@ -109,6 +104,6 @@ def extra_pieces(extra: Mapping[str, Any], plain_replica: tuple[int, int]) -> di
     return out
 
 
-def extra_metadata(pieces: Mapping[str, Any]) -> dict[str, TensorMeta]:
+def extra_metadata(pieces: Mapping[str, HFShard]) -> dict[str, TensorMeta]:
     """Global shape and dtype of each extra piece (the same on every rank)."""
     return {key: TensorMeta(tuple(p.global_shape), p.tensor.dtype) for key, p in pieces.items()}

@@ -12,24 +12,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from nemo_moe_export.adapters.protocol import TensorMeta
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.safetensors_format import INDEX_FILE, SINGLE_FILE, check_file, read_weight_map, torch_dtype
 
-__all__ = ["SafetensorsSource", "TensorDictSource", "TensorMeta", "box_slices"]
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Global shape and dtype of one HF tensor; identical on every rank."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+__all__ = ["SafetensorsSource", "TensorDictSource", "box_slices"]
 
 
 def box_slices(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -43,9 +43,9 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_export.parallel import dist_info
-from nemo_moe_export.recipe.checks import check_config, check_export_target, check_stages, export_target
+from nemo_moe_export.recipe.checks import check_config, check_export_target, export_target
 
-__all__ = ["check_export_target", "check_recipe", "check_stages", "export_target", "run_recipe"]
+__all__ = ["check_recipe", "run_recipe"]
 
 
 def check_recipe(cfg: Any, world_size: int | None = None) -> list[str]:
