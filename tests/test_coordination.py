@@ -46,7 +46,9 @@ def _protocol_cases(rank: int, world: int) -> dict:
 
     fresh = Coordinator(None, timeout_s=30, name="next")
     fresh.agree("after")  # a broken coordinator does not poison a new one
-    out["fresh"] = "ok"
+    # nor the next one of the same ranks and timeout: the broken one's group was dropped, a new one made
+    again = Coordinator(None, timeout_s=STALL_TIMEOUT_S, name="again")
+    out["fresh"] = "ok" if again.group is not stalling.group and again.agree("after the stall") is None else "reused"
     return out
 
 
