@@ -15,17 +15,36 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+import torch
 from omegaconf import MISSING
 
 from nemo_moe_export.evaluate.options import MMLUOptions
-from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.options import ExportOptions, parse_dtype
 
 __all__ = [
-    "DataConfig", "ExportConfig", "MMLUConfig", "ModelConfig", "ParallelConfig", "RecipeConfig",
-    "STAGES", "TrainerConfig", "register_configs", "validate_config",
+    "ARCHITECTURES", "DataConfig", "ExportConfig", "MMLUConfig", "ModelConfig", "ParallelConfig", "RecipeConfig",
+    "STAGES", "TrainerConfig", "architecture", "model_dtype", "register_configs", "validate_config",
 ]
 
 STAGES = ("train", "mmlu", "export", "verify")
+
+# Model families (and HF model types) built with another family's architecture: kimi_k2 is the
+# DeepSeek-V3 architecture, only its adapter lookup name differs (docs/design.md#layout-rules).
+ARCHITECTURES = {"kimi_k2": "deepseek_v3"}
+
+
+def architecture(family: str) -> str:
+    """The family whose model / config classes build ``family`` (itself unless aliased)."""
+    return ARCHITECTURES.get(family, family)
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    """``model.dtype`` (a ``ModelConfig``'s parameter dtype) as a floating ``torch.dtype``."""
+    problem, expected = "unknown parameter dtype", "float32 | bfloat16"
+    if model.dtype is None:
+        raise ExportInputError(problem, key="model.dtype", expected=expected, actual=repr(model.dtype))
+    return parse_dtype(model.dtype, key="model.dtype", problem=problem, expected=expected)
 
 
 @dataclass

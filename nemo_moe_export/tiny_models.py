@@ -32,8 +32,10 @@ def tiny_config(
     """
     from transformers import DeepseekV3Config, KimiLinearConfig, Qwen3MoeConfig
 
+    from nemo_moe_export.config import architecture
+
     heads = max(1, hidden_size // 8)
-    if family in ("deepseek_v3", "kimi_k2"):
+    if architecture(family) == "deepseek_v3":
         kw = dict(
             vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
             moe_intermediate_size=moe_intermediate_size, num_hidden_layers=num_layers,

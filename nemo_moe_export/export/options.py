@@ -93,22 +93,31 @@ class ExportOptions(Options):
         return parse_dtype(self.dtype)
 
     @property
+    def max_shard_bytes(self) -> int:
+        """``max_shard_size`` in bytes (``5GB`` -> 5e9): what the plan packs files by."""
+        return parse_size(self.max_shard_size)
+
+    @property
     def replica_source(self) -> int | None:
         """N of ``replica_mismatch="rank:N"``, else None."""
         m = _RANK_POLICY.match(str(self.replica_mismatch))
         return int(m.group(1)) if m else None
 
 
-def parse_dtype(dtype: Any) -> torch.dtype | None:
-    """``None`` or a floating ``torch.dtype`` from a dtype or its name (``"bfloat16"``)."""
+def parse_dtype(dtype: Any, *, key: str = "dtype", problem: str | None = None,
+                expected: str = "e.g. bfloat16, float16, float32") -> torch.dtype | None:
+    """``None`` or a floating ``torch.dtype`` from a dtype or its name (``"bfloat16"``): the one
+    parser of every dtype setting (export, model, a config's). ``key`` names the setting in the
+    error; ``problem`` replaces the export's two messages (unknown / not floating) with one."""
     if dtype is None:
         return None
     value = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""), None)
+    if problem is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise ExportInputError(problem, key=key, expected=expected, actual=repr(dtype))
     if not isinstance(value, torch.dtype):
-        raise ExportInputError("unknown dtype", key="dtype", expected="e.g. bfloat16, float16, float32",
-                               actual=repr(dtype))
+        raise ExportInputError("unknown dtype", key=key, expected=expected, actual=repr(dtype))
     if not value.is_floating_point:
-        raise ExportInputError("export dtype must be floating point", key="dtype",
+        raise ExportInputError("export dtype must be floating point", key=key,
                                expected="e.g. torch.bfloat16", actual=value)
     return value
 

@@ -24,7 +24,7 @@ import torch
 from nemo_moe_export.adapters import HFShard, TensorMeta
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.layout import get_sharded_expert_range
-from nemo_moe_export.export.options import ExportOptions, parse_size
+from nemo_moe_export.export.options import ExportOptions, parse_dtype, parse_size
 from nemo_moe_export.safetensors_format import (EXPORT_ID_KEY, TensorEntry, dtype_name, encode_header, encode_index,
                                                 replace_header_metadata)
 
@@ -143,10 +143,7 @@ def plan_export(
     the shard size gets a file of its own, as transformers does. ``export_id`` lays the plan out
     already stamped (:meth:`ExportPlan.stamped`).
     """
-    limit = parse_size(max_shard_size)
-    if dtype is not None and not dtype.is_floating_point:
-        raise ExportInputError("export dtype must be floating point", key="dtype",
-                               expected="e.g. torch.bfloat16", actual=dtype)
+    limit, dtype = parse_size(max_shard_size), parse_dtype(dtype)  # ExportOptions' own parsers
     rules = _CastRules(dtype, tuple(re.compile(p) for p in keep_dtype), frozenset(keep_float32),
                        frozenset(keep_exact))
     metas = _stored_metas(metadata, rules)

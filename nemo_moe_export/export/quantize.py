@@ -97,10 +97,11 @@ def _grid(shape: tuple[int, ...]) -> tuple[int, int]:
     return math.ceil(shape[0] / FP8_BLOCK[0]), math.ceil(shape[1] / FP8_BLOCK[1])
 
 
-def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_size: int | str) -> ExportPlan:
+def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_bytes: int) -> ExportPlan:
     """``plan`` with ``keys`` stored as ``float8_e4m3fn`` and a ``{key}_scale_inv`` fp32 tensor of
     shape ``[ceil(out / 128), ceil(in / 128)]`` beside each, laid out again (the scale sorts right
-    after its weight) and stamped with ``plan``'s export id."""
+    after its weight) in files of at most ``max_shard_bytes`` (``ExportOptions.max_shard_bytes``),
+    stamped with ``plan``'s export id."""
     metas: dict[str, TensorMeta] = {}
     for key, planned in plan.tensors.items():
         if key not in keys:
@@ -112,7 +113,7 @@ def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_size: int | str)
                                    hint="a checkpoint's own scales cannot be written beside new ones")
         metas[key] = TensorMeta(planned.shape, FP8_DTYPE)
         metas[key + SCALE_SUFFIX] = TensorMeta(_grid(planned.shape), torch.float32)
-    return plan_export(metas, max_shard_size=max_shard_size, export_id=plan.export_id)
+    return plan_export(metas, max_shard_size=max_shard_bytes, export_id=plan.export_id)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def quantize_export(steps: Any, options: ExportOptions, adapter: StateDictAdapte
     stats = Fp8WriteStats(writer_threads=options.writer_threads)
     with steps.agreed("validate fp8"):
         keys = quantized_keys(plan, adapter, options)
-        quantized = fp8_plan(plan, keys, options.max_shard_size)
+        quantized = fp8_plan(plan, keys, options.max_shard_bytes)
         started = time.perf_counter()
         blocks = [_blocks_of(s) for s in shares if s.key in keys]
         runs = _runs(blocks)

@@ -435,7 +435,7 @@ def export_catalogue(adapter: StateDictAdapter, state_dict: Mapping[str, torch.T
 def plan_of(catalogue: Catalogue, options: ExportOptions) -> ExportPlan:
     """The checkpoint's layout (files, headers, offsets) of ``catalogue`` exported with ``options``."""
     return plan_export(catalogue.metadata, dtype=options.torch_dtype, keep_dtype=options.keep_dtype,
-                       max_shard_size=options.max_shard_size, keep_exact=catalogue.exact,
+                       max_shard_size=options.max_shard_bytes, keep_exact=catalogue.exact,
                        keep_float32=catalogue.float32)
 
 

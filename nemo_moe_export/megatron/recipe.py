@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
+from nemo_moe_export.config import architecture, model_dtype
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.parallel import ParallelLayout, dist_info
 
@@ -31,7 +30,7 @@ __all__ = ["build_recipe_model", "check_megatron_pipeline", "pipeline_split", "r
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = {"deepseek_v3": "deepseek_v3", "kimi_k2": "deepseek_v3", "qwen3_moe": "qwen3_moe"}
+FAMILIES = ("deepseek_v3", "kimi_k2", "qwen3_moe")  # built as config.architecture(family)
 
 
 def build_recipe_model(model_cfg: Any, parallel_cfg: Any, *, vocab_size: int, device: str = "cpu") -> tuple[Any, ParallelLayout]:
@@ -59,11 +58,11 @@ def build_recipe_model(model_cfg: Any, parallel_cfg: Any, *, vocab_size: int, de
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(model_cfg.seed)
-    family = FAMILIES[model_cfg.family]
+    family = architecture(model_cfg.family)
     config = tiny_transformer_config(
         family, n_experts=model_cfg.n_experts, hidden_size=model_cfg.hidden_size,
         moe_ffn_hidden_size=model_cfg.moe_intermediate_size, num_layers=model_cfg.num_layers,
-        dispatcher=model_cfg.dispatcher, dtype=getattr(torch, model_cfg.dtype), pipeline_size=parallel_cfg.pp_size,
+        dispatcher=model_cfg.dispatcher, dtype=model_dtype(model_cfg), pipeline_size=parallel_cfg.pp_size,
         **pipeline_split(model_cfg.num_layers, parallel_cfg.pp_size, parallel_cfg.layers_per_stage))
     gpt = build_gpt(config, vocab_size=vocab_size).to(device)
     model = MegatronCausalLM(gpt, family=family, microbatches=recipe_microbatches(parallel_cfg))

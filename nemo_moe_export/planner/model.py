@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
+from nemo_moe_export.config import ARCHITECTURES, architecture, model_dtype
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.options import parse_dtype
 
 __all__ = ["MetaModel", "PlanTarget", "build_meta_model", "from_config_file", "from_preset", "from_recipe",
            "hf_config_from_dict"]
 
-# Same as the recipe's build_model: kimi_k2 is the DeepSeek-V3 architecture (docs/design.md#layout-rules).
-_CONFIG_CLASSES = {"kimi_k2": "deepseek_v3"}
 _LAYER = re.compile(r"^(?P<head>(?:.*\.)?layers\.)(?P<layer>\d+)\.(?P<rest>.+)$")
 
 
@@ -61,7 +61,7 @@ def hf_config_from_dict(values: Mapping[str, Any]) -> Any:
     for unused in ("architectures", "auto_map", "quantization_config", "transformers_version"):
         values.pop(unused, None)  # the trained model is not quantized; remote code is not needed
     try:
-        config = AutoConfig.for_model(_CONFIG_CLASSES.get(model_type, model_type), **values)
+        config = AutoConfig.for_model(architecture(model_type), **values)
     except ValueError as exc:
         raise ExportInputError("transformers does not know this model type", key="model_type",
                                expected="a model_type transformers can build", actual=model_type) from exc
@@ -71,11 +71,8 @@ def hf_config_from_dict(values: Mapping[str, Any]) -> Any:
 
 def _dtype_of(config: Any, default: str = "float32") -> torch.dtype:
     name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or default
-    value = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""), None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise ExportInputError("unknown parameter dtype in the config", key="torch_dtype",
-                               expected="e.g. bfloat16", actual=repr(name))
-    return value
+    return parse_dtype(name, key="torch_dtype", problem="unknown parameter dtype in the config",
+                       expected="e.g. bfloat16")
 
 
 def from_config_file(path: str | os.PathLike[str], parallel: Any, export: Any) -> PlanTarget:
@@ -106,7 +103,7 @@ def from_preset(name: str, parallel: Any, export: Any) -> PlanTarget:
     node = OmegaConf.load(path)
     node.pop("defaults", None)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
-    return PlanTarget(name, _preset_config(cfg), getattr(torch, cfg.dtype), parallel, export)
+    return PlanTarget(name, _preset_config(cfg), model_dtype(cfg), parallel, export)
 
 
 def _preset_config(cfg: Any, vocab_size: int = 256) -> Any:
@@ -117,12 +114,11 @@ def _preset_config(cfg: Any, vocab_size: int = 256) -> Any:
     if cfg.backend != "transformers":
         raise ExportInputError("the planner builds transformers models only", key="model.backend",
                                expected="transformers", actual=cfg.backend)
-    family = "deepseek_v3" if cfg.family == "kimi_k2" else cfg.family
-    config = tiny_config(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
+    config = tiny_config(architecture(cfg.family), n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
                          moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
                          vocab_size=vocab_size)
-    if cfg.family == "kimi_k2":
-        config.model_type = "kimi_k2"
+    if cfg.family in ARCHITECTURES:
+        config.model_type = cfg.family  # the adapter table is the family's own
     return config
 
 
@@ -143,7 +139,7 @@ def from_recipe(recipe: str, overrides: list[str], config_dirs: list[str] = ()) 
 
     mmlu = {k: v for k, v in OmegaConf.to_container(cfg.mmlu, resolve=True).items()
             if k in MMLUOptions.__dataclass_fields__}
-    return PlanTarget(str(cfg.name), _preset_config(model), getattr(torch, model.dtype), parallel,
+    return PlanTarget(str(cfg.name), _preset_config(model), model_dtype(model), parallel,
                       ExportOptions.of(export), mmlu=MMLUOptions.of(mmlu))
 
 

@@ -293,23 +293,18 @@ def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
     (under pipeline stages, the strategy's sizes divide the ranks of a stage)."""
     from nemo_moe_export.layout import get_ep_expert_range
     from nemo_moe_export.parallel import expert_parallel_groups
-    from nemo_moe_export.recipe.trainer import STRATEGIES
+    from nemo_moe_export.recipe.checks import check_strategy
 
     if not isinstance(world, int) or world < 1:
         raise ExportInputError("the world size must be a positive integer", key="--world", expected=">= 1",
                                actual=world)
-    if parallel.strategy not in STRATEGIES:
-        raise ExportInputError("unknown parallel strategy", key="parallel.strategy", expected=STRATEGIES,
-                               actual=repr(parallel.strategy))
+    check_strategy(parallel)
     pp = _pp_size(parallel)
     if pp < 1 or world % pp:
         raise ExportInputError("the pipeline size must divide the world", key="parallel.pp_size",
                                expected=f"a divisor of {world}", actual=pp)
     stage = world // pp
-    if parallel.strategy == "hsdp" and (parallel.replicate < 1 or stage % parallel.replicate):
-        raise ExportInputError("HSDP replicas must divide the world", key="parallel.replicate",
-                               expected=f"a divisor of {stage}" + (" (the ranks of a stage)" if pp > 1 else ""),
-                               actual=parallel.replicate)
+    check_strategy(parallel, stage)
     if parallel.strategy in ("ep", "ep_fsdp"):
         expert_parallel_groups(stage, parallel.ep_size)
         get_ep_expert_range(meta.adapter.num_experts, parallel.ep_size, 0)

@@ -22,10 +22,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nemo_moe_export.config import STAGES, validate_config
+from nemo_moe_export.config import STAGES, model_dtype, validate_config
 from nemo_moe_export.errors import ExportInputError
 
-__all__ = ["check_config", "check_export_target", "check_stages", "export_target"]
+__all__ = ["STRATEGIES", "check_config", "check_export_target", "check_stages", "check_strategy", "export_target"]
+
+STRATEGIES = ("fsdp", "hsdp", "ep", "ep_fsdp")  # what trainer.shard_model lays out
 
 CHECKPOINT_METADATA = ".metadata"  # what torch.distributed.checkpoint writes beside its shards
 
@@ -100,9 +102,8 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
     """The strategy and device are known; on ``world_size`` ranks, HSDP replicas and the EP size
     divide the ranks and the EP size divides the expert count (experts split in equal blocks)."""
     from nemo_moe_export.parallel import DEVICES
-    from nemo_moe_export.recipe.trainer import STRATEGIES
 
-    _choice("parallel.strategy", parallel.strategy, STRATEGIES, "unknown parallel strategy")
+    check_strategy(parallel)
     _choice("parallel.device", parallel.device, DEVICES, "unknown device")
     _positive("parallel.timeout_s", parallel.timeout_s, number=True)
     _positive("parallel.ep_size", parallel.ep_size)
@@ -113,10 +114,7 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
     if world_size is None:
         return  # one process: nothing is sharded (trainer.shard_model)
     stage_ranks = _check_pipeline(parallel, model, world_size)
-    if parallel.strategy == "hsdp" and stage_ranks % parallel.replicate:
-        raise ExportInputError(
-            "HSDP replicas must divide the ranks" + _of_a_stage(parallel), key="parallel.replicate",
-            expected=f"a divisor of the {stage_ranks} ranks: {_divisors(stage_ranks)}", actual=parallel.replicate)
+    check_strategy(parallel, stage_ranks)
     if parallel.strategy in ("ep", "ep_fsdp"):
         ep = parallel.ep_size
         if stage_ranks % ep:
@@ -130,6 +128,20 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
                 "the expert count must divide by the expert-parallel size", key="parallel.ep_size",
                 expected=f"a divisor of model.n_experts={model.n_experts} and of {world_size} ranks: {fits}",
                 actual=ep, hint=f"or make model.n_experts a multiple of {ep}")
+
+
+def check_strategy(parallel: Any, stage_ranks: int | None = None) -> None:
+    """``parallel.strategy`` is a known one and, on ``stage_ranks`` ranks (a pipeline stage's; None:
+    not known yet), HSDP replicas divide them: the one check of both, which the recipe runs up
+    front and ``trainer.shard_model`` again on the ranks it shards."""
+    _choice("parallel.strategy", parallel.strategy, STRATEGIES, "unknown parallel strategy")
+    if parallel.strategy != "hsdp" or stage_ranks is None:
+        return
+    _positive("parallel.replicate", parallel.replicate)
+    if stage_ranks % parallel.replicate:
+        raise ExportInputError(
+            "HSDP replicas must divide the ranks" + _of_a_stage(parallel), key="parallel.replicate",
+            expected=f"a divisor of the {stage_ranks} ranks: {_divisors(stage_ranks)}", actual=parallel.replicate)
 
 
 def _check_model_parallel(parallel: Any) -> None:
@@ -148,7 +160,8 @@ def _check_model_parallel(parallel: Any) -> None:
 
 
 def _of_a_stage(parallel: Any) -> str:
-    return f" of a pipeline stage (the world / parallel.pp_size={parallel.pp_size})" if parallel.pp_size > 1 else ""
+    pp = getattr(parallel, "pp_size", 1) or 1  # the planner's layouts may have no pipeline fields
+    return f" of a pipeline stage (the world / parallel.pp_size={pp})" if pp > 1 else ""
 
 
 def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
@@ -181,17 +194,12 @@ def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
 
 
 def _check_model(model: Any) -> None:
-    import torch
-
     from nemo_moe_export.recipe.trainer import BACKENDS
     from nemo_moe_export.tiny_models import FAMILIES
 
     _choice("model.backend", model.backend, BACKENDS, "unknown model backend")
     _choice("model.family", model.family, FAMILIES, "unknown model family")
-    dtype = getattr(torch, str(model.dtype), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ExportInputError("unknown parameter dtype", key="model.dtype", expected="float32 | bfloat16",
-                               actual=repr(model.dtype))
+    model_dtype(model)
     for name in ("n_experts", "hidden_size", "moe_intermediate_size", "num_layers"):
         _positive(f"model.{name}", getattr(model, name))
 

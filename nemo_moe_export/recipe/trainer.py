@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from nemo_moe_export.config import ModelConfig, ParallelConfig, TrainerConfig
+from nemo_moe_export.config import ModelConfig, ParallelConfig, TrainerConfig, architecture, model_dtype
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.evaluate.callback import LOSS_HISTORY_KEY
 from nemo_moe_export.evaluate.runner import wants_uniform_shapes
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import ParallelLayout, dist_info
 from nemo_moe_export.progress import Progress
+from nemo_moe_export.recipe.checks import check_strategy
 
 __all__ = ["TrainState", "build_model", "build_sharded_model", "shard_model", "train"]
 
-STRATEGIES = ("fsdp", "hsdp", "ep", "ep_fsdp")
 BACKENDS = ("transformers", "megatron_core")
 
 
@@ -58,11 +58,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int | None =
     """
     from nemo_moe_export.tiny_models import tiny_model
 
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ExportInputError("unknown parameter dtype", key="model.dtype", expected="float32 | bfloat16",
-                               actual=repr(cfg.dtype))
-    family = "deepseek_v3" if cfg.family == "kimi_k2" else cfg.family
+    dtype = model_dtype(cfg)
+    family = architecture(cfg.family)
     extra = {"pad_token_id": pad_token_id, "bos_token_id": 1, "eos_token_id": 2} if family == "kimi_linear" else {}
     with torch.device(device):
         return tiny_model(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
@@ -101,16 +98,11 @@ def shard_model(model: Any, cfg: ParallelConfig, *, device: str = "cpu") -> tupl
 
     info = dist_info()
     world = info.world_size
-    if cfg.strategy not in STRATEGIES:
-        raise ExportInputError("unknown parallel strategy", key="parallel.strategy", expected=STRATEGIES,
-                               actual=repr(cfg.strategy))
+    check_strategy(cfg, world if info.initialized else None)
     if not info.initialized:
         return model, discover_layout()
     if cfg.strategy in ("fsdp", "hsdp"):
         if cfg.strategy == "hsdp":
-            if cfg.replicate < 1 or world % cfg.replicate:
-                raise ExportInputError("HSDP replicas must divide the world", key="parallel.replicate",
-                                       expected=f"a divisor of {world}", actual=cfg.replicate)
             mesh = init_device_mesh(device, (cfg.replicate, world // cfg.replicate),
                                     mesh_dim_names=("dp_replicate", "dp_shard"))
         else:
