@@ -33,9 +33,9 @@ import statistics
 import sys
 import tempfile
 from typing import Any
-from output import emit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from output import emit  # noqa: E402  (benchmarks/output.py)
 
 
 def stand_in_for_torch_cuda_current_device() -> int:

@@ -20,7 +20,8 @@ import os
 import subprocess
 import sys
 import time
-from output import emit  # noqa: E402
+
+from output import emit  # noqa: E402  (benchmarks/output.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMON = ["--dtype", "bfloat16", "--node-bandwidth", "5GB", "--ranks-per-node", "8", "--json"]

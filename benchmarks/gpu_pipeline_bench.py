@@ -40,10 +40,10 @@ import sys
 import tempfile
 import time
 from typing import Any
-from output import emit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), HERE]
+from output import emit  # noqa: E402  (benchmarks/output.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RECIPE = "deepseek_v3_gpu"

@@ -47,10 +47,10 @@ import tempfile
 import time
 import zlib
 from typing import Any
-from output import emit  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, "..")]
+from output import emit  # noqa: E402  (benchmarks/output.py)
 
 _BLOCK = 2 << 20  # the random block a writer's own memory is filled with
 
@@ -254,20 +254,12 @@ def _model_parallel(model, parallel):
     """TP over "tp" (``parallelize_tp``), CP copies over "cp", FSDP2 over "dp", as torchtitan lays them out."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+    from nemo_moe_export.planner.model_parallel import model_parallel_of
+    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
 
-    tp, cp = parallel.tp_size, parallel.cp_size
-    dims = [(n, k) for n, k in (("dp", dist.get_world_size() // (tp * cp)), ("cp", cp), ("tp", tp))
-            if k > 1 or n == "dp"]
-    mesh = init_device_mesh("cpu", tuple(k for _, k in dims), mesh_dim_names=tuple(n for n, _ in dims))
-    if tp > 1:
-        parallelize_tp(model, mesh["tp"])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
+    shape, names = model_parallel_of(parallel).root(dist.get_world_size())  # the planner's own mesh
+    return parallelize_tp_fsdp(model, init_device_mesh("cpu", shape, mesh_dim_names=names))
 
 
 def _stage_parts(model, parallel):

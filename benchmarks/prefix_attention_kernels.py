@@ -17,9 +17,9 @@ import sys
 from itertools import accumulate
 
 import torch
-from output import emit  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from output import emit  # noqa: E402  (benchmarks/output.py)
 
 SCALE = 192 ** -0.5
 HEADS = 16

@@ -40,10 +40,10 @@ import sys
 import tempfile
 import time
 from typing import Any
-from output import emit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from output import emit  # noqa: E402  (benchmarks/output.py)
 
 ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_experts.down_proj.weight")
 
@@ -51,9 +51,8 @@ ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "shared_exper
 def build(args: argparse.Namespace, mesh: Any) -> Any:
     """The benchmark model, TP over mesh["tp"] and FSDP2 over mesh["dp"]."""
     import torch
-    from torch.distributed.fsdp import fully_shard
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
     from nemo_moe_export.tiny_models import tiny_model
 
     model = tiny_model("deepseek_v3", n_experts=args.experts, hidden_size=args.hidden, num_layers=args.layers,
@@ -61,11 +60,7 @@ def build(args: argparse.Namespace, mesh: Any) -> Any:
                        num_attention_heads=args.heads, num_key_value_heads=args.heads, qk_nope_head_dim=64,
                        qk_rope_head_dim=32, v_head_dim=64, kv_lora_rank=256, q_lora_rank=None, seed=0,
                        dtype=torch.float32)
-    parallelize_tp(model, mesh["tp"])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
+    return parallelize_tp_fsdp(model, mesh)
 
 
 def _ours(model: Any, path: str) -> dict[str, Any]:

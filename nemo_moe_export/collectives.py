@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMBINE", "FINGERPRINT_WORDS", "all_same", "butterfly_all_reduce", "butterfly_rounds", "fingerprint_words", "forget_gloo_group",
-           "gloo_group"]
+__all__ = ["COMBINE", "FINGERPRINT_WORDS", "all_same", "butterfly_all_reduce", "butterfly_rounds", "fingerprint_words",
+           "forget_gloo_group", "gloo_group"]
 
 COMBINE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "sum": torch.add, "max": torch.maximum, "min": torch.minimum,

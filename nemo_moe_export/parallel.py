@@ -179,10 +179,11 @@ class Coordinator:
     """Step-by-step agreement between the ranks of ``group`` (default: the world), under a timeout.
 
     Each :meth:`agree` is one all-reduce of a status word (how many ranks failed the step, and any
-    words the step shares), a butterfly of ``log2 W`` exchanges; only when some rank failed are the failures' messages gathered, so every
-    rank's error carries every failing rank's original exception. When the all-reduce itself cannot
-    finish (a rank died, stalls, or the group broke) the survivors diagnose through the rendezvous
-    store instead of the broken group and name the ranks that sent no report, on every survivor
+    words the step shares), a butterfly of ``log2 W`` exchanges; only when some rank failed are the
+    failures' messages gathered, so every rank's error carries every failing rank's original
+    exception. When the all-reduce itself cannot finish (a rank died, stalls, or the group broke)
+    the survivors diagnose through the rendezvous store instead of the broken group and name the
+    ranks that sent no report, on every survivor
     (docs/design.md#coordination-protocol).
     """
 

@@ -272,20 +272,13 @@ def _model_parallel_model(parallel, family):
     """The tiny model on a 2 x 2 mesh: torch TP over "tp" (``parallelize_tp``) or CP copies over "cp",
     FSDP2 over "dp"."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
     from nemo_moe_export.tiny_models import tiny_model
 
     inner = "tp" if parallel.tp_size > 1 else "cp"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", inner))
-    model = tiny_model(family, **TINY)
-    if inner == "tp":
-        parallelize_tp(model, mesh["tp"])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
+    return parallelize_tp_fsdp(tiny_model(family, **TINY), mesh)
 
 
 def _real_model_parallel_exports(world, workdir):

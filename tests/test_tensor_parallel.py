@@ -61,18 +61,11 @@ def build_model(family: str, seed: int = 0):
 def _sharded(family: str, dims: tuple[str, str], seed: int = 0):
     """The test model on a (2, 2) mesh: TP over the second dim when it is "tp", FSDP2 over "dp"."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
-    model = build_model(family, seed)
-    if "tp" in dims:
-        parallelize_tp(model, mesh["tp"])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model, mesh
+    return parallelize_tp_fsdp(build_model(family, seed), mesh), mesh
 
 
 def _batch(rows: int = 3, length: int = 9):

@@ -44,6 +44,7 @@ import torch
 
 from nemo_moe_export.adapters import HFShard, StateDictAdapter, get_adapter, model_parts, state_dict_of
 from nemo_moe_export.adapters.passthrough import extra_metadata, extra_pieces
+from nemo_moe_export.collectives import FINGERPRINT_WORDS, fingerprint_words
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions
@@ -60,7 +61,6 @@ from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.export.writer import WriteStats, write_headers
 from nemo_moe_export.hooks import Hook, RecipeContext
-from nemo_moe_export.collectives import FINGERPRINT_WORDS, fingerprint_words
 from nemo_moe_export.parallel import Coordinator, PeerError, RankGroup
 
 __all__ = ["ExportResult", "ExportStep", "cyclic_gc_paused", "export_catalogue", "export_hf_checkpoint",
@@ -378,7 +378,8 @@ def _agree_replicas(steps: _Steps, local: _LocalPlan, options: ExportOptions
     """Compare every replicated tensor across its replicas (docs/design.md#replica-agreement); with
     a reconciling policy, rebuild the inputs and shares from the reconciled copies."""
     # the findings' count and the coverage counts share the agreement (the plans are equal by now)
-    with steps.agreed("validate replicas", 1 + len(local.plan.tensors)) as shared:  # a transport failure in one group reaches every rank
+    # a transport failure in one replica group reaches every rank through the agreement
+    with steps.agreed("validate replicas", 1 + len(local.plan.tensors)) as shared:
         current, report, findings = compare_replicas(local.replica_sets, local.replicated, steps.coordinator,
                                                      options.replica_mismatch)
         shared.sums = torch.cat([torch.tensor([len(findings)], dtype=torch.int64),

@@ -103,20 +103,14 @@ def recorded_placements(meta: Any, parallel: Any, stage_ranks: int, become: Any
 
 def _lay_out(meta: Any, mp: ModelParallel, strategy: str, stage_ranks: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Replicate
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
 
     model = _representative_model(meta)
     shape, names = mp.root(stage_ranks)
     root = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    if mp.tp > 1:
-        parallelize_tp(model, root["tp"])
-    if strategy == "fsdp":
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=root["dp"])
-        fully_shard(model, mesh=root["dp"])
+    parallelize_tp_fsdp(model, root, fsdp=strategy == "fsdp")
     state_dict = model.state_dict()
     out: dict[str, tuple[tuple[str, ...], tuple] | None] = {}
     for name, tensor in meta.simulated.items():

@@ -39,13 +39,11 @@ GQA works on local heads as long as TP divides the KV head count (checked).
 Sequence parallelism is not applied (transformers' decoder layers take the rotary cos/sin and the
 masks of the whole sequence from the model; megatron-core's SP is the supported one).
 
-Use it as torchtitan does, TP inside each data-parallel replica and FSDP2 over ``"dp"``::
+Use it as torchtitan does, TP inside each data-parallel replica and FSDP2 over ``"dp"``
+(:func:`parallelize_tp_fsdp` does both)::
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    parallelize_tp(model, mesh["tp"])
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    parallelize_tp_fsdp(model, mesh)
 """
 
 from __future__ import annotations
@@ -53,13 +51,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
 from nemo_moe_export.errors import ExportInputError
 
-__all__ = ["MLA_TYPES", "parallelize_tp", "tp_plan"]
+__all__ = ["MLA_TYPES", "parallelize_tp", "parallelize_tp_fsdp", "tp_plan"]
 
 MLA_TYPES = ("deepseek_v3", "kimi_k2")
 """Model types with DeepSeek's multi-head latent attention (transformers' DeepseekV3Attention)."""
@@ -106,6 +105,20 @@ def parallelize_tp(model: Any, tp_mesh: Any) -> Any:
         parallelize_module(layer, tp_mesh, present)
         if model.config.model_type in MLA_TYPES:
             layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(_RotaryKeyGradient(model.config, tp_mesh))
+    return model
+
+
+def parallelize_tp_fsdp(model: Any, mesh: Any, *, fsdp: bool = True) -> Any:
+    """torchtitan's layout of ``model`` on ``mesh`` (dims ``"dp"`` and, where used, ``"cp"`` and
+    ``"tp"``): :func:`parallelize_tp` over ``mesh["tp"]`` when the mesh has that dim, then, with
+    ``fsdp``, ``fully_shard`` of each decoder layer and of the model over ``mesh["dp"]``. In place;
+    returns ``model``."""
+    if "tp" in (mesh.mesh_dim_names or ()):
+        parallelize_tp(model, mesh["tp"])
+    if fsdp:
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     return model
 
 
