@@ -77,22 +77,32 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
     return ExportInputError, HydraException, OmegaConfBaseException
 
 
+def _run_checked(checked: Any) -> int:
+    """Run a recipe this rank composed and checked once (no second composition by ``hydra.main``:
+    the recipe keeps its config, logs and results in ``run_dir``, Hydra writes nothing of its own)."""
+    from nemo_moe_export.recipe.stages import run_recipe
+    from nemo_moe_export.recipe.torchrun import stop_on_signals
+
+    try:
+        with stop_on_signals():
+            run_recipe(checked)
+    except BaseException as exc:  # noqa: BLE001 - sorted out by _job_failure, which re-raises the rest
+        return _job_failure(exc)
+    return 0
+
+
 def _hydra_main(recipe_file: Path, overrides: list[str], user_dirs: list[Path]) -> int:
+    """Hydra's own command line (``--cfg job``, ``--help``, ``-m``): Hydra prints or sweeps."""
     import hydra
 
     from nemo_moe_export.config import register_configs
     from nemo_moe_export.recipe.stages import run_recipe
-    from nemo_moe_export.recipe.torchrun import stop_on_signals
 
     register_configs()
 
     @hydra.main(version_base="1.3", config_path=str(recipe_file.parent), config_name=recipe_file.stem)
     def _main(cfg: Any) -> None:
-        try:
-            with stop_on_signals():
-                run_recipe(cfg)
-        except BaseException as exc:  # noqa: BLE001 - sorted out by _job_failure, which re-raises the rest
-            raise SystemExit(_job_failure(exc)) from exc
+        run_recipe(cfg)
 
     sys.argv = [sys.argv[0], *hydra_overrides(hydra_search_path(recipe_file, user_dirs), overrides)]
     _main()
@@ -124,19 +134,18 @@ def _job_failure(exc: BaseException) -> int:
     return JOB_ERROR
 
 
-def _check_before_start(recipe: str, overrides: list[str], config_dirs: list[str], nproc: int | None) -> None:
+def _check_before_start(recipe: str, overrides: list[str], config_dirs: list[str], nproc: int | None) -> Any:
     """Compose and check the whole config once before anything starts: in the ``--nproc`` launcher
-    for ``nproc`` ranks (and the machine for them), else for the ranks torchrun started."""
+    for ``nproc`` ranks (and the machine for them), else for the ranks torchrun started. Returns
+    the checked recipe (``recipe/stages.py``'s ``CheckedRecipe``), which a rank then runs."""
     from nemo_moe_export.recipe.stages import check_recipe
     from nemo_moe_export.recipe.torchrun import check_local_resources
 
-    if any(o.startswith("-") for o in overrides):
-        return  # Hydra's own flags (--cfg job, --help, -m): Hydra handles the command line
     cfg = load_config(recipe, overrides, config_dirs)
     if nproc is not None:
         check_local_resources(nproc, cfg.parallel.device)
     world = nproc if nproc is not None else (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
-    check_recipe(cfg, world)
+    return check_recipe(cfg, world)
 
 
 def _tp_sizes(text: str) -> list[int]:
@@ -320,8 +329,10 @@ def _run(argv: list[str]) -> int:
         overrides += json.loads(os.environ["NEMO_MOE_EXPORT_OVERRIDES"])
     user_dirs = user_config_dirs(config_dirs)
     recipe_file = find_recipe(recipe, user_dirs)  # an unknown recipe fails once, before any rank starts
+    if any(o.startswith("-") for o in overrides):
+        return _hydra_main(recipe_file, overrides, user_dirs)  # Hydra's own flags: Hydra handles them
     launching = nproc is not None and "LOCAL_RANK" not in os.environ
-    _check_before_start(recipe, overrides, config_dirs, nproc if launching else None)
+    checked = _check_before_start(recipe, overrides, config_dirs, nproc if launching else None)
     if launching:
         from nemo_moe_export.recipe.torchrun import run_torchrun
 
@@ -329,7 +340,7 @@ def _run(argv: list[str]) -> int:
         # directory; NEMO_MOE_EXPORT_CONFIG_PATH (and NEMO_MOE_EXPORT_DEBUG) reach them through the environment.
         cli_dirs = [f"--config-dir={Path(d).expanduser().resolve()}" for d in config_dirs]
         return run_torchrun(nproc, [f"recipe={recipe}", *cli_dirs, *overrides])
-    return _hydra_main(recipe_file, overrides, user_dirs)
+    return _run_checked(checked)
 
 
 def main(argv: list[str] | None = None) -> int:

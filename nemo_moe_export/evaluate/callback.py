@@ -9,16 +9,10 @@ Data is loaded and tokenized once, on the first evaluation, and reused; bad data
 subjects or a k larger than a subject's dev split raise
 :class:`~nemo_moe_export.errors.ExportInputError` there, on every rank, before any collective.
 
-On global rank 0 each evaluation writes, into ``output_dir``:
-
-* ``mmlu_results.json``: per-subject / per-category / overall accuracy with counts, per-question
-  predictions and scores, the policy, the parallel layout, timing, padding waste, and the history
-  of every evaluation so far;
-* ``mmlu_results.md``: the markdown table of :func:`~nemo_moe_export.evaluate.scoring.results_to_markdown`;
-* ``mmlu_categories.png``: per-category accuracy bars; ``mmlu_history.png``: accuracy (overall and
-  per category) over the training steps evaluated so far, with the training loss beside it when
-  the training loop records it in ``ctx.results["train_loss"]`` (``[step, loss]`` pairs, as the
-  recipe's trainer and the Lightning integration do). ``plot=False`` skips both.
+On global rank 0 each evaluation writes its results JSON, markdown table and charts into
+``output_dir`` (:mod:`.outputs`; ``plot=False`` skips the charts); the history chart carries the
+training loss when the loop records it in ``ctx.results["train_loss"]`` (``[step, loss]`` pairs, as
+the recipe's trainer and the Lightning integration do).
 
 It also logs the metrics (``logging``, logger ``nemo_moe_export.evaluate.callback``), shows a
 progress bar (tqdm when importable, plain lines otherwise) and passes the flat metrics, with the
@@ -30,8 +24,6 @@ every rank.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -48,19 +40,13 @@ from nemo_moe_export.evaluate.prepare import (
     model_vocab_size,
     prepare_questions,
 )
+from nemo_moe_export.evaluate.outputs import log_summary, write_outputs
 from nemo_moe_export.evaluate.results import MMLUResult
-from nemo_moe_export.evaluate.scoring import results_to_markdown
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
 
 __all__ = ["LOSS_HISTORY_KEY", "MMLUCallback", "spread_subset"]
 
-logger = logging.getLogger(__name__)
-
-RESULTS_JSON = "mmlu_results.json"
-RESULTS_MD = "mmlu_results.md"
-CATEGORY_PNG = "mmlu_categories.png"
-HISTORY_PNG = "mmlu_history.png"
 LOSS_HISTORY_KEY = "train_loss"
 """``ctx.results[LOSS_HISTORY_KEY]``: ``[step, loss]`` pairs a training loop records, charted with the accuracy."""
 
@@ -205,7 +191,7 @@ class MMLUCallback(Hook):
         if is_global_rank0():
             try:
                 self.write_outputs(result, step)
-                _log_summary(result, step)
+                log_summary(result, step)
                 for log in ([self.log_fn] if self.log_fn is not None else []) + self.metrics_loggers:
                     log(metrics, step)
             except Exception as exc:  # reported on every rank by the agreement
@@ -217,106 +203,11 @@ class MMLUCallback(Hook):
 
     def write_outputs(self, result: MMLUResult, step: int | None) -> dict[str, Path]:
         """Write the JSON, markdown and (unless ``plot`` is off) PNG files; their paths."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "step": step, "data_path": str(self.data_path), "split": self.options.split,
-            "k_shot": self.options.k_shot,
-            "policy": result.policy, "layout": result.layout, "timing": result.timing,
-            "padding": result.padding, "scoring": result.scoring, "steps": result.steps,
-            "results": result.metrics, "metrics": result.flat_metrics(), "predictions": result.records,
-            "history": self.history,
-        }
-        paths = {"json": self.output_dir / RESULTS_JSON, "markdown": self.output_dir / RESULTS_MD}
-        _write_atomic(paths["json"], json.dumps(payload, indent=1) + "\n")
-        header = (f"## MMLU ({self.options.k_shot}-shot{'' if step is None else f', step {step}'})\n\n"
-                  f"policy `{result.policy}`, {result.timing['questions_per_s']:.1f} questions/s, "
-                  f"padding waste {100 * result.padding['waste']:.1f}%\n\n")
-        _write_atomic(paths["markdown"], header + results_to_markdown(result.metrics))
-        if self.options.plot:
-            paths["png"] = _plot_categories(result.metrics, self.output_dir / CATEGORY_PNG, step)
-            paths["history_png"] = _plot_history(self.history, self.loss_history, self.output_dir / HISTORY_PNG)
-        return paths
+        run = {"step": step, "data_path": str(self.data_path), "split": self.options.split,
+               "k_shot": self.options.k_shot}
+        return write_outputs(self.output_dir, result, run, self.history, self.loss_history, plot=self.options.plot)
 
 
 def _require(ok: bool, key: str, expected: str, actual: Any) -> None:
     if not ok:
         raise ExportInputError("bad MMLUCallback argument", key=key, expected=expected, actual=repr(actual))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Readers (a dashboard tailing the file) never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def _log_summary(result: MMLUResult, step: int | None) -> None:
-    overall = result.metrics["overall"]
-    cats = ", ".join(f"{c} {100 * e['acc']:.2f}" for c, e in result.metrics["categories"].items())
-    logger.info("MMLU%s: acc %.2f%% (%d/%d; %s) | %s, %.1f questions/s, padding waste %.1f%%",
-                "" if step is None else f" at step {step}", 100 * overall["acc"], overall["correct"],
-                overall["n"], cats, result.policy, result.timing["questions_per_s"], 100 * result.padding["waste"])
-
-
-def _pyplot() -> Any:
-    """matplotlib's pyplot on the file-only Agg backend (no display on training nodes)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _plot_categories(metrics: dict[str, Any], path: Path, step: int | None) -> Path:
-    """Per-category accuracy bars, overall last."""
-    plt = _pyplot()
-    names = [*metrics["categories"], "overall"]
-    values = [100 * e["acc"] for e in metrics["categories"].values()] + [100 * metrics["overall"]["acc"]]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(names, values, color=["tab:blue"] * (len(names) - 1) + ["tab:gray"])
-    ax.axhline(25.0, color="tab:red", linestyle="--", linewidth=1, label="chance (25%)")
-    ax.set_ylim(0, 100)
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title("MMLU by category" + ("" if step is None else f" (step {step})"))
-    ax.legend(loc="upper right")
-    fig.tight_layout()
-    _save_atomic(fig, path)
-    plt.close(fig)
-    return path
-
-
-def _plot_history(history: Sequence[dict[str, Any]], losses: Sequence[tuple[int, float]], path: Path) -> Path:
-    """Accuracy (overall bold, categories thin) at each evaluated step; the training loss on a
-    second axis. An evaluation without a step (outside training) is drawn at step 0."""
-    plt = _pyplot()
-    steps = [h["step"] or 0 for h in history]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    names = sorted({k for h in history for k in h["metrics"] if k.endswith("/acc") and k.count("/") == 2})
-    for name in names:
-        ax.plot(steps, [100 * h["metrics"].get(name, float("nan")) for h in history], linewidth=1, marker=".",
-                label=name.split("/")[1])
-    ax.plot(steps, [100 * h["metrics"]["mmlu/acc"] for h in history], color="black", linewidth=2.5, marker="o",
-            label="overall")
-    ax.axhline(25.0, color="tab:red", linestyle="--", linewidth=1)
-    ax.set_ylim(0, 100)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("MMLU accuracy (%)")
-    if losses:
-        loss_ax = ax.twinx()
-        loss_ax.plot([s for s, _ in losses], [v for _, v in losses], color="tab:gray", alpha=0.6, label="train loss")
-        loss_ax.set_ylabel("training loss")
-        loss_ax.legend(loc="upper right")
-    ax.legend(loc="upper left", fontsize="small")
-    ax.set_title("MMLU accuracy" + (" and training loss" if losses else "") + " over steps")
-    fig.tight_layout()
-    _save_atomic(fig, path)
-    plt.close(fig)
-    return path
-
-
-def _save_atomic(fig: Any, path: Path) -> None:
-    """As :func:`_write_atomic`: a dashboard never reads half a PNG."""
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, dpi=100, format="png")
-    os.replace(tmp, path)

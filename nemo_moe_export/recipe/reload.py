@@ -1,10 +1,13 @@
 """Reload an exported checkpoint in a fresh single process and re-evaluate MMLU on it.
 
-    python -m nemo_moe_export.recipe.reload HF_DIR DATA_DIR OUT.json [--k-shot K] [--batch-size B]
+    python -m nemo_moe_export.recipe.reload HF_DIR DATA_DIR OUT.json --options OPTIONS.json
 
 This is the recipe's end-to-end proof that the export is the trained model: ``transformers``
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` read the directory
-with no plugin code involved in loading, and the same MMLU evaluation must give the same answers.
+with no plugin code involved in loading, and the same evaluation must give the same answers.
+``OPTIONS.json`` holds the training run's ``MMLUOptions`` whole (``recipe/stages.py`` writes it), and
+the evaluation goes through the same :class:`~nemo_moe_export.evaluate.callback.MMLUCallback`, so
+the questions, the few-shot examples and every other option are the trained run's by construction.
 """
 
 from __future__ import annotations
@@ -21,31 +24,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint")
     parser.add_argument("data")
     parser.add_argument("out")
-    parser.add_argument("--k-shot", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--max-questions", type=int, default=None)
-    parser.add_argument("--subjects", nargs="*", default=None)
+    parser.add_argument("--options", required=True, help="the training run's MMLUOptions, as JSON")
     args = parser.parse_args(argv)
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_moe_export.evaluate.callback import spread_subset
-    from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
+    from nemo_moe_export.evaluate.callback import MMLUCallback
 
     torch.set_num_threads(1)  # the same kernels as a training rank: predictions compare exactly
     model, info = AutoModelForCausalLM.from_pretrained(args.checkpoint, output_loading_info=True)
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
         raise SystemExit(f"checkpoint does not match the model: {info}")
     tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-    questions = load_mmlu(args.data, splits=("dev", "test"), subjects=args.subjects)
-    dev = [q for q in questions if q.split == "dev"]
-    test = [q for q in questions if q.split == "test"]
-    test = spread_subset(test, args.max_questions)  # the same subset the training-time callback used
+    with open(args.options) as f:
+        options = json.load(f)
+    # Results go to OUT.json alone: no charts or progress bar from this check.
+    callback = MMLUCallback(args.data, options, output_dir=os.path.join(os.path.dirname(args.out), "reload_mmlu"),
+                            plot=False, progress=False)
     model.eval()
-    result = evaluate_mmlu(model, tokenizer, test, dev, k_shot=args.k_shot, batch_size=args.batch_size,
-                           progress=False)
+    callback.evaluate(model, tokenizer)
+    result = callback.last_result
     with open(args.out, "w") as f:
         json.dump({**result.metrics, "predictions": result.predictions}, f, indent=2)
     print(f"reloaded {args.checkpoint}: overall acc {result.metrics['overall']['acc']:.4f}")

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
 import torch
@@ -45,16 +45,34 @@ import torch.distributed as dist
 from nemo_moe_export.parallel import dist_info
 from nemo_moe_export.recipe.checks import check_config, check_export_target, export_target
 
-__all__ = ["check_recipe", "run_recipe"]
+__all__ = ["CheckedRecipe", "check_recipe", "run_recipe"]
 
 
-def check_recipe(cfg: Any, world_size: int | None = None) -> list[str]:
+@dataclass(frozen=True)
+class CheckedRecipe:
+    """A recipe's config, checked once on this rank, with every stage's hook built from it: the
+    MMLU callback (None when ``mmlu.enabled`` is false) and the export step (None without the
+    export stage). :func:`run_recipe` runs exactly this, so no option is parsed twice."""
+
+    cfg: Any
+    stages: list[str]
+    run_dir: str
+    mmlu_options: Any  # MMLUOptions: also formats the training prompts (k_shot) when MMLU is off
+    mmlu: Any
+    export: Any
+
+
+def check_recipe(cfg: Any, world_size: int | None = None) -> CheckedRecipe:
     """Every check a config can fail before any work, on ``world_size`` ranks (None: one process):
     the config itself (``recipe/checks.py``), then every stage's options and the export target, by
-    building the stages' hooks. Returns the stages to run."""
+    building the stages' hooks."""
+    from nemo_moe_export.evaluate.options import MMLUOptions
+
     stages = check_config(cfg, world_size)
-    _stage_hooks(cfg, os.path.abspath(cfg.run_dir), stages)
-    return stages
+    run_dir = os.path.abspath(cfg.run_dir)
+    mmlu_options = MMLUOptions.of(cfg.mmlu)
+    mmlu, export = _stage_hooks(cfg, run_dir, stages, mmlu_options)
+    return CheckedRecipe(cfg, stages, run_dir, mmlu_options, mmlu, export)
 
 
 def _world_size() -> int | None:
@@ -64,15 +82,14 @@ def _world_size() -> int | None:
     return int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
 
 
-def _stage_hooks(cfg: Any, run_dir: str, stages: list[str]) -> tuple[Any, Any]:
+def _stage_hooks(cfg: Any, run_dir: str, stages: list[str], mmlu_options: Any) -> tuple[Any, Any]:
     """The MMLU callback (None when ``mmlu.enabled`` is false) and the export step (None without
     the export stage), built from their options: every option is validated here, before work."""
     from nemo_moe_export.evaluate.callback import MMLUCallback
-    from nemo_moe_export.evaluate.options import MMLUOptions
     from nemo_moe_export.export import ExportStep
     from nemo_moe_export.export.options import ExportOptions
 
-    mmlu_options, export_options = MMLUOptions.of(cfg.mmlu), ExportOptions.of(cfg.export)
+    export_options = ExportOptions.of(cfg.export)
     mmlu = (MMLUCallback(_data_root(cfg, run_dir), mmlu_options, output_dir=os.path.join(run_dir, "mmlu"))
             if cfg.mmlu.enabled else None)
     export = None
@@ -111,18 +128,20 @@ def _to_plain(cfg: Any) -> Any:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """Run ``cfg.stages`` on every rank; returns (on every rank) the results summary.
+def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """Run the recipe's stages on every rank; returns (on every rank) the results summary.
 
-    ``after(ctx)`` runs on every rank once the stages are done, with the live
-    :class:`~nemo_moe_export.hooks.RecipeContext` (the GPU benchmark measures the trained
-    model there); what it puts in ``ctx.results`` is saved with the rest.
+    ``recipe`` is what :func:`check_recipe` returned (the CLI checks once, then runs it), or a
+    config, checked here first, before any process group or model. ``after(ctx)`` runs on every
+    rank once the stages are done, with the live :class:`~nemo_moe_export.hooks.RecipeContext`
+    (the GPU benchmark measures the trained model there); what it puts in ``ctx.results`` is saved
+    with the rest.
     """
     from nemo_moe_export.parallel import init_distributed, resolve_device
 
-    stages = check_recipe(cfg, _world_size())  # the whole config, before any process group or model
-    run_dir = os.path.abspath(cfg.run_dir)
-    mmlu_callback, export_step = _stage_hooks(cfg, run_dir, stages)
+    checked = recipe if isinstance(recipe, CheckedRecipe) else check_recipe(recipe, _world_size())
+    cfg, stages, run_dir = checked.cfg, checked.stages, checked.run_dir
+    mmlu_callback, export_step = checked.mmlu, checked.export
     device = resolve_device(cfg.parallel.device)
     init_distributed(device, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.trainer.seed)
@@ -137,7 +156,7 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
     ctx, hooks = _setup(cfg, run_dir, info, log, device, mmlu_callback)
     results: dict[str, Any] = ctx.results
     if "train" in stages:
-        _train_stage(cfg, ctx, hooks, log)
+        _train_stage(checked, ctx, hooks, log)
     if "mmlu" in stages and mmlu_callback is not None:
         mmlu_callback.on_train_end(ctx)
         if mmlu_callback.last_result is not None:
@@ -145,7 +164,7 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
     if export_step is not None:
         _export_stage(ctx, export_step, log)
     if "verify" in stages:
-        results["verify"] = _verify(cfg, run_dir, ctx, results, info, log)
+        results["verify"] = _verify(checked, ctx, results, info, log)
     if after is not None:
         after(ctx)
     if info.rank == 0:
@@ -157,11 +176,12 @@ def run_recipe(cfg: Any, *, after: Callable[[Any], None] | None = None) -> dict[
     return results
 
 
-def _train_stage(cfg: Any, ctx: Any, hooks: Any, log: Any) -> None:
+def _train_stage(checked: CheckedRecipe, ctx: Any, hooks: Any, log: Any) -> None:
     from nemo_moe_export.recipe.trainer import train
 
-    state = train(ctx.model, ctx.layout, ctx.tokenizer, ctx.data_root, cfg.trainer, k_shot=cfg.mmlu.k_shot,
-                  hooks=hooks, ctx=ctx, log=log.info)
+    cfg = checked.cfg
+    state = train(ctx.model, ctx.layout, ctx.tokenizer, ctx.data_root, cfg.trainer,
+                  k_shot=checked.mmlu_options.k_shot, hooks=hooks, ctx=ctx, log=log.info)
     ctx.results["train"] = {"steps": state.step, "first_loss": state.losses[0], "last_loss": state.losses[-1],
                             "seconds": round(state.seconds, 2)}
     checkpoint = os.path.join(ctx.run_dir, "checkpoint")
@@ -245,24 +265,23 @@ def _save_checkpoint(ctx: Any, path: str) -> None:
         dist.barrier()
 
 
-def _verify(cfg: Any, run_dir: str, ctx: Any, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
-    """Bytes-level verify, then a fresh single process reloads with transformers and re-evaluates."""
+def _verify(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
+    """Bytes-level verify, then a fresh single process reloads with transformers and re-evaluates
+    with the same MMLU options, handed over whole (``recipe/reload.py``)."""
     from nemo_moe_export.export import verify_checkpoint
 
-    path = export_target(cfg, run_dir)
+    path = export_target(checked.cfg, checked.run_dir)
     outcome: dict[str, Any] = {"path": path}
     if info.rank == 0:
         report = verify_checkpoint(path)
         outcome.update(ok=report.ok, summary=report.summary())
         log.info(report.summary())
-        if report.ok and cfg.mmlu.enabled:
-            out = os.path.join(run_dir, "reload_mmlu.json")
-            cmd = [sys.executable, "-m", "nemo_moe_export.recipe.reload", path, ctx.data_root, out,
-                   "--k-shot", str(cfg.mmlu.k_shot), "--batch-size", str(cfg.mmlu.batch_size)]
-            if cfg.mmlu.max_questions:
-                cmd += ["--max-questions", str(cfg.mmlu.max_questions)]
-            if cfg.mmlu.subjects:
-                cmd += ["--subjects", *cfg.mmlu.subjects]
+        if report.ok and checked.mmlu is not None:
+            out = os.path.join(checked.run_dir, "reload_mmlu.json")
+            options = os.path.join(checked.run_dir, "reload_mmlu_options.json")
+            with open(options, "w") as f:
+                json.dump(asdict(checked.mmlu_options), f, indent=1)
+            cmd = [sys.executable, "-m", "nemo_moe_export.recipe.reload", path, ctx.data_root, out, "--options", options]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             if proc.returncode != 0:
