@@ -33,11 +33,11 @@ _LAZY = {
     "MMLUOptions": "nemo_moe_export.evaluate.options",
     "evaluate_mmlu": "nemo_moe_export.evaluate",
     "load_mmlu": "nemo_moe_export.evaluate.data",
-    "AdapterHook": "nemo_moe_export.hooks",
+    "AdapterHook": "nemo_moe_export.plugin",
     "Hook": "nemo_moe_export.hooks",
     "RecipeContext": "nemo_moe_export.hooks",
     "make_context": "nemo_moe_export.hooks",
-    "plugin_hooks": "nemo_moe_export.hooks",
+    "plugin_hooks": "nemo_moe_export.plugin",
     "discover_layout": "nemo_moe_export.parallel",
 }
 

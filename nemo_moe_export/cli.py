@@ -32,15 +32,32 @@ status is 128 + the signal's number.
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
 import os
+import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import hydra
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from nemo_moe_export.config import ParallelConfig, register_configs
+from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export.options import ExportOptions, parse_size
+from nemo_moe_export.export.verify import verify_checkpoint
+from nemo_moe_export.planner import TimeModel, format_table, plan_job
+from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
 # Config composition lives a layer down (recipe/compose.py), shared with the NeMo-Run launcher, so
 # neither imports the other.
 from nemo_moe_export.recipe.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
                                             split_recipe_args, user_config_dirs)
+from nemo_moe_export.recipe.stages import check_recipe, run_recipe
+from nemo_moe_export.recipe.torchrun import check_local_resources, run_torchrun, stop_on_signals, stopped_by
 
 __all__ = ["DEBUG_ENV", "main"]
 
@@ -69,20 +86,12 @@ def _one_line(exc: BaseException) -> str:
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
     """What a bad command line or config raises: ours, Hydra's and OmegaConf's."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from nemo_moe_export.errors import ExportInputError
-
     return ExportInputError, HydraException, OmegaConfBaseException
 
 
 def _run_checked(checked: Any) -> int:
     """Run a recipe this rank composed and checked once (no second composition by ``hydra.main``:
     the recipe keeps its config, logs and results in ``run_dir``, Hydra writes nothing of its own)."""
-    from nemo_moe_export.recipe.stages import run_recipe
-    from nemo_moe_export.recipe.torchrun import stop_on_signals
-
     try:
         with stop_on_signals():
             run_recipe(checked)
@@ -93,11 +102,6 @@ def _run_checked(checked: Any) -> int:
 
 def _hydra_main(recipe_file: Path, overrides: list[str], user_dirs: list[Path]) -> int:
     """Hydra's own command line (``--cfg job``, ``--help``, ``-m``): Hydra prints or sweeps."""
-    import hydra
-
-    from nemo_moe_export.config import register_configs
-    from nemo_moe_export.recipe.stages import run_recipe
-
     register_configs()
 
     @hydra.main(version_base="1.3", config_path=str(recipe_file.parent), config_name=recipe_file.stem)
@@ -112,15 +116,8 @@ def _hydra_main(recipe_file: Path, overrides: list[str], user_dirs: list[Path]) 
 def _job_failure(exc: BaseException) -> int:
     """The exit status of a job that raised ``exc``, after one line on stderr; re-raises what is
     neither a stop nor a refused input (Hydra then prints its traceback), and everything with --debug."""
-    import signal
-
-    from nemo_moe_export.errors import ExportInputError
-    from nemo_moe_export.recipe.torchrun import stopped_by
-
     signum = stopped_by()
     if signum is not None:  # whatever the stop raised on the way out (a peer's error, too) is the stop
-        import logging
-
         if _is_rank0():
             _say(f"stopped by {signal.Signals(signum).name}")
         # The stack has unwound (the export discarded its partial directory); exit now rather than
@@ -138,9 +135,6 @@ def _check_before_start(recipe: str, overrides: list[str], config_dirs: list[str
     """Compose and check the whole config once before anything starts: in the ``--nproc`` launcher
     for ``nproc`` ranks (and the machine for them), else for the ranks torchrun started. Returns
     the checked recipe (``recipe/stages.py``'s ``CheckedRecipe``), which a rank then runs."""
-    from nemo_moe_export.recipe.stages import check_recipe
-    from nemo_moe_export.recipe.torchrun import check_local_resources
-
     cfg = load_config(recipe, overrides, config_dirs)
     if nproc is not None:
         check_local_resources(nproc, cfg.parallel.device)
@@ -150,8 +144,6 @@ def _check_before_start(recipe: str, overrides: list[str], config_dirs: list[str
 
 def _tp_sizes(text: str) -> list[int]:
     """``--tp 1,2,4,8``: positive integers, comma-separated."""
-    import argparse
-
     try:
         sizes = [int(part) for part in text.split(",")]
     except ValueError:
@@ -162,10 +154,6 @@ def _tp_sizes(text: str) -> list[int]:
 
 
 def verify_main(argv: list[str]) -> int:
-    import argparse
-
-    from nemo_moe_export.export.verify import verify_checkpoint
-
     parser = argparse.ArgumentParser(prog="nemo-moe-export verify",
                                      description="Check an HF safetensors checkpoint from its bytes.")
     parser.add_argument("path", help="checkpoint directory")
@@ -180,8 +168,6 @@ def verify_main(argv: list[str]) -> int:
 
 
 def _positive_int(text: str) -> int:
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
@@ -193,8 +179,6 @@ def _positive_int(text: str) -> int:
 
 def _layer_counts(text: str) -> list[int]:
     """``4,4,3``: decoder layers per pipeline stage."""
-    import argparse
-
     try:
         counts = [int(part) for part in text.split(",")]
     except ValueError:
@@ -206,11 +190,6 @@ def _layer_counts(text: str) -> list[int]:
 
 def _bandwidth(text: str) -> float:
     """``2GB`` (per second), ``500MiB``, or bytes per second."""
-    import argparse
-
-    from nemo_moe_export.errors import ExportInputError
-    from nemo_moe_export.export.options import parse_size
-
     try:
         return float(parse_size(text.removesuffix("/s")))
     except ExportInputError:
@@ -219,9 +198,6 @@ def _bandwidth(text: str) -> float:
 
 def plan_main(argv: list[str]) -> int:
     """``nemo-moe-export plan``: the planner (docs/design.md#planner); input errors are one line, status 2."""
-    import argparse
-    import json
-
     parser = argparse.ArgumentParser(
         prog="nemo-moe-export plan",
         description="Simulate every rank of an export (and MMLU) on the meta device: bytes, files, memory, time.")
@@ -268,18 +244,11 @@ def plan_main(argv: list[str]) -> int:
     if bool(args.mmlu) != bool(args.tokenizer):
         parser.error("--mmlu and --tokenizer go together")
     report = _plan_report(args)
-    print(json.dumps(report, indent=1) if args.json else _plan_table(report))
+    print(json.dumps(report, indent=1) if args.json else format_table(report))
     return 0
 
 
 def _plan_report(args: Any) -> dict:
-    from dataclasses import replace
-
-    from nemo_moe_export.config import ParallelConfig
-    from nemo_moe_export.export.options import ExportOptions
-    from nemo_moe_export.planner import TimeModel, plan_job
-    from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
-
     if args.recipe:
         target = from_recipe(args.recipe, args.overrides, args.config_dir)
     else:
@@ -304,19 +273,13 @@ def _plan_report(args: Any) -> dict:
     return plan_job(target, args.world, model, device=args.device, per_rank=args.per_rank, mmlu=mmlu)
 
 
-def _plan_table(report: dict) -> str:
-    from nemo_moe_export.planner import format_table
-
-    return format_table(report)
-
-
 def _run(argv: list[str]) -> int:
     if argv and argv[0] == "verify":
         return verify_main(argv[1:])
     if argv and argv[0] == "plan":
         return plan_main(argv[1:])
     if argv and argv[0] == "launch":
-        from nemo_moe_export.integrations.nemo_run import launch_main
+        from nemo_moe_export.integrations.nemo_run import launch_main  # nemo-run: an optional dependency
 
         return launch_main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):
@@ -324,9 +287,7 @@ def _run(argv: list[str]) -> int:
         return 0
     recipe, overrides, nproc, config_dirs = split_recipe_args(argv)
     if os.environ.get("NEMO_MOE_EXPORT_OVERRIDES"):  # set by the NeMo-Run job (integrations/nemo_run.py)
-        import json
-
-        overrides += json.loads(os.environ["NEMO_MOE_EXPORT_OVERRIDES"])
+            overrides += json.loads(os.environ["NEMO_MOE_EXPORT_OVERRIDES"])
     user_dirs = user_config_dirs(config_dirs)
     recipe_file = find_recipe(recipe, user_dirs)  # an unknown recipe fails once, before any rank starts
     if any(o.startswith("-") for o in overrides):
@@ -334,8 +295,6 @@ def _run(argv: list[str]) -> int:
     launching = nproc is not None and "LOCAL_RANK" not in os.environ
     checked = _check_before_start(recipe, overrides, config_dirs, nproc if launching else None)
     if launching:
-        from nemo_moe_export.recipe.torchrun import run_torchrun
-
         # The --config-dir folders made absolute, so the ranks see the same ones whatever their working
         # directory; NEMO_MOE_EXPORT_CONFIG_PATH (and NEMO_MOE_EXPORT_DEBUG) reach them through the environment.
         cli_dirs = [f"--config-dir={Path(d).expanduser().resolve()}" for d in config_dirs]

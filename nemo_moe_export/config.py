@@ -16,14 +16,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 import torch
-from omegaconf import MISSING
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
 
-from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.export.options import ExportOptions, parse_dtype
 
 __all__ = [
-    "ARCHITECTURES", "DataConfig", "ExportConfig", "MMLUConfig", "ModelConfig", "ParallelConfig", "RecipeConfig",
+    "ARCHITECTURES", "BACKENDS", "DataConfig", "ExportConfig", "MMLUConfig", "ModelConfig", "ParallelConfig", "RecipeConfig",
     "STAGES", "TrainerConfig", "architecture", "model_dtype", "register_configs", "validate_config",
 ]
 
@@ -31,6 +32,7 @@ STAGES = ("train", "mmlu", "export", "verify")
 
 # Model families (and HF model types) built with another family's architecture: kimi_k2 is the
 # DeepSeek-V3 architecture, only its adapter lookup name differs (docs/design.md#layout-rules).
+BACKENDS = ("transformers", "megatron_core")  # model.backend: who builds and runs the recipe's model
 ARCHITECTURES = {"kimi_k2": "deepseek_v3"}
 
 
@@ -161,10 +163,6 @@ def validate_config(cfg: Any, schema: type = None, prefix: str = "") -> None:
     Hydra rejects ``trainer.typo=1`` itself, but its ``+trainer.typo=1`` append syntax opens the
     node on purpose; a key no code reads would then be silently ignored, so it is refused here.
     """
-    from omegaconf import DictConfig
-
-    from nemo_moe_export.errors import ExportInputError
-
     schema = schema or RecipeConfig
     declared = {f.name: f for f in fields(schema)}
     for key in cfg.keys():
@@ -186,8 +184,6 @@ def _dataclass_type(annotation: Any) -> type | None:
 
 def register_configs() -> None:
     """Register the schemas with Hydra: ``schema`` for recipes, ``<group>/schema`` for presets."""
-    from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     cs.store(name="schema", node=RecipeConfig)
     for group, node in (("model", ModelConfig), ("parallel", ParallelConfig), ("trainer", TrainerConfig),

@@ -7,15 +7,16 @@ changed or written.
 
 from __future__ import annotations
 
+import signal
 from typing import Any
+
+import torch.distributed as dist
 
 __all__ = ["ExportInputError", "Stopped", "current_rank"]
 
 
 def current_rank() -> int | None:
     """Global rank when torch.distributed is up, else None (single process)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return None
@@ -69,8 +70,6 @@ class Stopped(KeyboardInterrupt):
     """
 
     def __init__(self, signum: int) -> None:
-        import signal
-
         self.signum = signum
         self.name = signal.Signals(signum).name
         super().__init__(f"stopped by {self.name}")

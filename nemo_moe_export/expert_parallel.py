@@ -30,6 +30,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExperts
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.layout import get_ep_expert_range
@@ -42,10 +45,6 @@ _EXPERTS_CLASS_NAMES = ("DeepseekV3Experts", "Qwen3MoeExperts", "KimiLinearExper
 
 def _supported_experts_classes() -> tuple[type[nn.Module], ...]:
     """The transformers experts classes whose math :class:`ExpertParallelExperts` reproduces."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
-    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExperts
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
     return DeepseekV3Experts, Qwen3MoeExperts, KimiLinearExperts
 
 

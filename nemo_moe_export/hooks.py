@@ -2,13 +2,15 @@
 
 A training loop calls, on every rank, ``on_setup(ctx)`` once the model is built and sharded,
 ``on_step_end(ctx, step)`` after each optimizer step and ``on_train_end(ctx)`` once, where ``ctx``
-is a :class:`RecipeContext`. The adapter (:class:`AdapterHook`), the MMLU evaluation
-(:class:`~nemo_moe_export.evaluate.callback.MMLUCallback`) and the export
-(:class:`~nemo_moe_export.export.ExportStep`) are hooks themselves; the integrations
-(``nemo_moe_export/integrations``) translate NeMo/Lightning, Megatron-Bridge and AutoModel events
-into these three calls (docs/design.md#hooks).
+is a :class:`RecipeContext`. The adapter (:class:`~nemo_moe_export.plugin.AdapterHook`), the MMLU
+evaluation (:class:`~nemo_moe_export.evaluate.callback.MMLUCallback`) and the export
+(:class:`~nemo_moe_export.export.ExportStep`) are hooks themselves, built on this protocol and
+assembled by :mod:`nemo_moe_export.plugin`; the integrations (``nemo_moe_export/integrations``)
+translate NeMo/Lightning, Megatron-Bridge and AutoModel events into these three calls
+(docs/design.md#hooks).
 
-    from nemo_moe_export.hooks import make_context, plugin_hooks
+    from nemo_moe_export.hooks import make_context
+    from nemo_moe_export.plugin import plugin_hooks
 
     hooks = plugin_hooks(mmlu=dict(data_path="data/mmlu", every_n_steps=500, output_dir="out/mmlu"),
                          export=dict(output_dir="out/hf", dtype="bfloat16"))
@@ -23,17 +25,19 @@ into these three calls (docs/design.md#hooks).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["AdapterHook", "Hook", "HookList", "RecipeContext", "make_context", "plugin_hooks"]
+from nemo_moe_export.parallel import discover_layout
+
+__all__ = ["Hook", "HookList", "RecipeContext", "make_context"]
 
 
 @dataclass
 class RecipeContext:
     """What hooks see and share: the live model, its parallel layout, the tokenizer, the state-dict
-    adapter (set by :class:`AdapterHook`, reused by the export) and the results hooks record."""
+    adapter (set by :class:`~nemo_moe_export.plugin.AdapterHook`, reused by the export) and the results hooks record."""
 
     model: Any
     layout: Any
@@ -76,45 +80,8 @@ class HookList(Hook):
             hook.on_train_end(ctx)
 
 
-class AdapterHook(Hook):
-    """Builds the state-dict adapter for the model's family once, at setup, into ``ctx.adapter``.
-
-    It fails fast: an unsupported family or malformed expert tensors are refused before the first
-    training step rather than at the export hours later.
-    """
-
-    def on_setup(self, ctx: RecipeContext) -> None:
-        from nemo_moe_export.adapters import get_adapter
-
-        ctx.adapter = get_adapter(ctx.model.config)
-        ctx.adapter.hf_metadata(ctx.model.state_dict())  # validates the expert tensors up front
-
-
-def plugin_hooks(*, mmlu: Mapping[str, Any] | None = None, export: Mapping[str, Any] | None = None) -> HookList:
-    """The adapter hook, plus the MMLU callback and/or the export step when their settings are given.
-
-    ``mmlu``: keyword arguments of :class:`~nemo_moe_export.evaluate.callback.MMLUCallback`
-    (``data_path``, ``output_dir`` and any :class:`~nemo_moe_export.evaluate.options.MMLUOptions`
-    field, or ``options=``); ``export``: keyword arguments of
-    :class:`~nemo_moe_export.export.ExportStep` (``output_dir`` and any
-    :class:`~nemo_moe_export.export.options.ExportOptions` field, or ``options=``).
-    """
-    hooks: list[Hook] = [AdapterHook()]
-    if mmlu is not None:
-        from nemo_moe_export.evaluate.callback import MMLUCallback
-
-        hooks.append(MMLUCallback(**mmlu))
-    if export is not None:
-        from nemo_moe_export.export import ExportStep
-
-        hooks.append(ExportStep(**export))
-    return HookList(hooks)
-
-
 def make_context(model: Any, tokenizer: Any = None, layout: Any = None, run_dir: str | None = None) -> RecipeContext:
     """A context for ``model``; ``layout`` defaults to the groups discovered from megatron-core, a
     named device mesh or the plain world (:func:`~nemo_moe_export.parallel.discover_layout`)."""
-    from nemo_moe_export.parallel import discover_layout
-
     return RecipeContext(model=model, layout=layout if layout is not None else discover_layout(),
                          tokenizer=tokenizer, run_dir=run_dir or os.getcwd())

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
 from nemo_moe_export.collectives import all_same, butterfly_all_reduce, fingerprint_words, forget_gloo_group, gloo_group
 from nemo_moe_export.errors import ExportInputError
@@ -358,8 +360,6 @@ class _StoreReports:
     _per_group: dict[str, int] = {}
 
     def __init__(self, coordinator: Coordinator) -> None:
-        from torch.distributed.distributed_c10d import _get_default_store
-
         self.coordinator = coordinator
         self.store = _get_default_store()
         # Coordinators may share a group (the evaluator reuses one per DP group): number them per
@@ -541,8 +541,6 @@ def discover_layout(device_mesh: Any = None, *, use_megatron: bool = True) -> Pa
 
 
 def _megatron_layout() -> ParallelLayout | None:
-    import sys
-
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is None or not parallel_state.model_parallel_is_initialized():
         return None

@@ -21,6 +21,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 __all__ = ["SpawnError", "spawn"]
 
 # What the fork server imports once (a module that fails to import is skipped): everything the ranks
@@ -41,9 +45,6 @@ class SpawnError(RuntimeError):
 
 def _child(rank: int, world_size: int, fn: Callable[..., Any], args: tuple[Any, ...], workdir: str,
            pg_timeout_s: float, threads: int, environ: dict[str, str] | None = None) -> None:
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(threads)
     if environ is not None:  # the fork server's environment is the one it started with, not the caller's now
         os.environ.clear()
@@ -81,8 +82,6 @@ def spawn(
     any rank raised (message includes every failing rank's traceback) or if the run exceeds
     ``timeout_s`` (message names the ranks still running).
     """
-    import torch.multiprocessing as mp
-
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOAD))  # read when the server starts: the first call in this process
     environ = dict(os.environ)

@@ -1,16 +1,22 @@
-"""Tiny configs of the supported families, built offline from transformers config classes.
+"""Tiny models of the supported families, built offline from transformers config classes.
 
-Used by tests, benchmarks and the demo recipe. Sizes are small enough to run on CPU ranks but keep
-every structural feature: dense first layers, shared experts, routers with correction bias,
-Kimi Linear's linear-attention layers.
+A public utility: the demo recipes train them (:func:`build_model` builds the recipe's model from
+its ``model`` group), and your own CPU tests of the plugin can use them as ours do
+(:func:`tiny_model`). Sizes are small enough to run on CPU ranks but keep every structural
+feature: dense first layers, shared experts, routers with correction bias, Kimi Linear's
+linear-attention layers.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, KimiLinearConfig, Qwen3MoeConfig
+
+from nemo_moe_export.config import ModelConfig, architecture, model_dtype
+
+__all__ = ["FAMILIES", "build_model", "tiny_config", "tiny_model"]
 
 FAMILIES = ("deepseek_v3", "kimi_k2", "kimi_linear", "qwen3_moe")
 
@@ -30,10 +36,6 @@ def tiny_config(
     ``kimi_k2`` is the DeepSeek-V3 architecture (as the released checkpoints are); only its
     adapter lookup name differs, so it returns a DeepSeek-V3 config.
     """
-    from transformers import DeepseekV3Config, KimiLinearConfig, Qwen3MoeConfig
-
-    from nemo_moe_export.config import architecture
-
     heads = max(1, hidden_size // 8)
     if architecture(family) == "deepseek_v3":
         kw = dict(
@@ -81,9 +83,6 @@ def tiny_model(family: str, *, seed: int = 0, dtype: Any = None, **config_kwargs
     Built on the current default device (``with torch.device("cuda"): ...`` builds it on the GPU);
     ``dtype`` is the parameter dtype (default float32).
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
     config = tiny_config(family, **config_kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
@@ -92,3 +91,20 @@ def tiny_model(family: str, *, seed: int = 0, dtype: Any = None, **config_kwargs
         if name.endswith("e_score_correction_bias"):
             buf.copy_(torch.randn_like(buf))
     return model
+
+
+def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int | None = None,
+                device: str = "cpu") -> Any:
+    """The recipe's unsharded model from its ``model`` group, identical on every rank (same seed),
+    built and initialised on ``device`` (``meta``: shapes only, as the recipe's checks use it).
+
+    On GPUs the full model is created on each rank's GPU and sharded right after (``shard_model``
+    frees what the rank does not keep): the initialisation runs at GPU speed and every rank draws
+    the same numbers from the same seed.
+    """
+    family = architecture(cfg.family)
+    extra = {"pad_token_id": pad_token_id, "bos_token_id": 1, "eos_token_id": 2} if family == "kimi_linear" else {}
+    with torch.device(device):
+        return tiny_model(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
+                          moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
+                          vocab_size=vocab_size, seed=cfg.seed, dtype=model_dtype(cfg), **extra)

@@ -7,16 +7,19 @@ One spawn runs every case:
   (experts on its (ep_shard, ep) mesh, placements (Shard(1), Shard(0))), one training step, then
   our no-gather export, ``from_hf`` back into a fresh sharded model, and (DeepSeek-V3) MMLU through
   AutoModel's own forward under both policies;
+* ``deepseek_v3_bf16``: DeepSeek-V3 in bf16 as AutoModel lays it out (fp32 correction bias) under
+  FSDP2 + EP2 with AutoModel's default bf16 policy, and our export;
 * ``deepseek_v3_pp``: PP2 x EP2 x FSDP2 through ``instantiate_infrastructure`` + ``AutoPipeline``
-  (1F1B), one training step through AutoPipeline's schedule, MMLU through AutoPipeline's stage
-  modules (``AutoPipelineCausalLM``), the export of the stage modules with the pipeline group,
-  then AutoPipeline's next training step (one pipeline's stages re-shaped to a shorter batch);
+  (1F1B), one training step through AutoPipeline's schedule, MMLU through the same schedule's
+  forward-only ``eval`` (``AutoPipelineCausalLM``), two forwards of rows it pads, the export of the
+  stage modules with the pipeline group, then AutoPipeline's next training step (one pipeline's
+  stages re-shaped to a shorter batch);
 * ``recipe``: AutoModel's ``train_ft`` with our ``MoEExportFinetuneRecipe``, from the documented
   example YAML (``examples/automodel_moe_export.yaml``, the model, gloo and paths swapped for the
   test's): 3 steps under FSDP2 + EP2, MMLU at step 2 and at the end, its own checkpoint at the last
   step, our export; then a second recipe instance resumes and gets the plugin's MMLU history back;
 * ``recipe_pp``: the same recipe under PP2 x EP2 x FSDP2 (AutoPipeline 1F1B): MMLU after every
-  step and at the end through AutoPipeline's stage modules, and the export.
+  step and at the end through AutoPipeline's schedule, and the export.
 
 The parent compares each export, tensor for tensor (dtype and value), with the checkpoint
 AutoModel's own adapter (``state_dict_adapter.to_hf``) plus a safetensors save produce from the
@@ -114,9 +117,10 @@ def hf_config(family: str, layers: int):
         decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512, dtype="float32")
 
 
-def build(family: str, layers: int = 2, seed: int = 0):
-    """AutoModel's own class for ``family`` with the torch backends, unsharded, fp32; weights
-    N(0, 0.5) so MMLU answers depend on the question, router biases small and nonzero."""
+def build(family: str, layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """AutoModel's own class for ``family`` with the torch backends, unsharded, in ``dtype`` as its
+    ``initialize_weights`` lays it out (DeepSeek-V3 keeps ``e_score_correction_bias`` in fp32);
+    weights N(0, 0.5) so MMLU answers depend on the question, router biases small and nonzero."""
     from nemo_automodel.components.models.common import BackendConfig
 
     install_cpu_stand_ins()
@@ -128,7 +132,7 @@ def build(family: str, layers: int = 2, seed: int = 0):
                             dispatcher="torch")
     torch.manual_seed(seed)
     model = cls.from_config(hf_config(family, layers), backend=backend)
-    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=torch.float32)
+    model.initialize_weights(buffer_device=torch.device("cpu"), dtype=dtype)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
@@ -235,6 +239,25 @@ def _ep_case(rank: int, family: str, root: str, mmlu_inputs: tuple[str, str] | N
             "path": out_dir}
 
 
+def _bf16_case(rank: int, root: str) -> dict:
+    """AutoModel's DeepSeek-V3 in bf16 (``e_score_correction_bias`` fp32, as its
+    ``initialize_weights`` keeps it) under FSDP2 + EP2 with AutoModel's default bf16 mixed precision,
+    exported as it is."""
+    from nemo_automodel.components.distributed import model_parallelizer
+    from nemo_automodel.components.distributed.config import FSDP2Config
+    from nemo_automodel.components.distributed.mesh import MeshContext, ParallelismSizes
+
+    from nemo_moe_export import export_hf_checkpoint
+
+    model = build("deepseek_v3", dtype=torch.bfloat16)
+    mesh = MeshContext.build(FSDP2Config(), ParallelismSizes(ep_size=2))
+    model_parallelizer.parallelize_model(model, mesh)
+    out_dir = os.path.join(root, "deepseek_v3_bf16")
+    result = export_hf_checkpoint(out_dir, model)
+    full = _full_state_dict([model])
+    return {"stats": _stats(result), "full": full if rank == 0 else None, "path": out_dir}
+
+
 def _mmlu_run(result) -> dict:
     return {"pred": result.predictions, "scores": [x["scores"] for x in result.records],
             "shared_prefix": result.scoring["shared_prefix"]}
@@ -280,17 +303,30 @@ def _pp_case(rank: int, root: str, mmlu_inputs: tuple[str, str]) -> dict:
 
     losses = train_step(*token_batch(seed=dp_rank))  # one batch per pipeline
 
-    # MMLU through AutoPipeline's stage modules, forward only, after the training step
+    # MMLU through AutoPipeline's schedule (its eval step), after the training step. Each stage
+    # module's forwards, seen from inside them: the PipelineStage running them is AutoPipeline's
+    # own, in a forward-only step (schedule.eval clears its has_backward for the step), and its
+    # fwd_cache holds the step's earlier microbatches (forward_one_chunk fills it)
     data_dir, tok_dir = mmlu_inputs
     test, dev = load_split_data(data_dir)
     layout = automodel_layout(mesh.device_mesh, mesh.moe_mesh)
     model = AutoPipelineCausalLM(autopipeline)
+    forwards: list[tuple[int, bool, int]] = []
+    hooks = [stage.submod.register_forward_hook(
+        lambda *_, stage=stage: forwards.append((stage.stage_index, stage.has_backward, len(stage.fwd_cache))))
+        for stage in info.stages]
     mmlu = _mmlu_run(evaluate_mmlu(model, PreTrainedTokenizerFast.from_pretrained(tok_dir), test, dev, layout=layout,
                                    **MMLU_OPTS))
-    # Two more forwards, where one pipeline reuses its cached stages and the other builds new ones
-    # (torch reshards the stage modules it initialises, on those ranks only)
+    for hook in hooks:
+        hook.remove()
+    # what the next training step finds: the training microbatch and length, a schedule that trains
+    after_mmlu = (autopipeline.pp_microbatch_size, autopipeline._pp_current_seq_len, info.schedule._has_backward)
+    # Two more forwards of 3 rows (padded to the 2 microbatches, dropped after), every position
+    # kept: the same length on both pipelines, then a shorter one on one pipeline only
+    forwards_after = []
     for length in (SEQ, SEQ if dp_rank == 0 else SEQ - 3):
-        model(token_batch(seed=200, rows=3)[0][:, :length])
+        ids = token_batch(seed=200, rows=3)[0][:, :length]
+        forwards_after.append((ids, model(ids).logits))
 
     out_dir = os.path.join(root, "deepseek_v3_pp")
     result = export_hf_checkpoint(out_dir, parts, pp_group=pp.get_group())
@@ -303,6 +339,8 @@ def _pp_case(rank: int, root: str, mmlu_inputs: tuple[str, str]) -> dict:
     next_losses = train_step(ids, labels)
     return {"stats": _stats(result), "pp_rank": pp.get_local_rank(), "keys": keys, "trained": bool(losses) or None,
             "mmlu": mmlu, "next_step": (ids, labels, [loss.item() for loss in next_losses]),
+            "mmlu_forwards": forwards, "after_mmlu": after_mmlu, "n_microbatches": model.n_microbatches,
+            "forwards_after": forwards_after,
             "full": full if dp_rank == 0 else None, "path": out_dir}
 
 
@@ -318,7 +356,7 @@ def recipe_model_4_layers():
 
 def _pipelined_recipe_case(rank: int, recipe_yaml: str) -> dict:
     """The recipe under PP2 x EP2 x FSDP2: 3 steps of AutoPipeline's 1F1B, MMLU after every step
-    and at the end through AutoPipeline's stage modules, then the export of the stage modules with
+    and at the end through AutoPipeline's schedule, then the export of the stage modules with
     the pipeline group. The weights and the evaluation at step 1 are kept for the parent."""
     import traceback
 
@@ -339,13 +377,14 @@ def _pipelined_recipe_case(rank: int, recipe_yaml: str) -> dict:
                 at_step_1["mmlu"] = _mmlu_run(recipe.moe_export_state._mmlu_callbacks()[0].last_result)
 
         recipe.moe_export_step_end = keep_step_1
-        lengths, update_seq_len = [], recipe.pp.update_seq_len  # the batch lengths AutoPipeline is re-shaped to
+        lengths, forward_backward = [], recipe._forward_backward_step  # the training batches' lengths
 
-        def record_length(seq_len: int) -> None:
-            lengths.append(seq_len)
-            update_seq_len(seq_len)
+        def record_length(idx, batch, **kwargs):
+            if kwargs.get("is_train", True):
+                lengths.append(batch["input_ids"].shape[1])
+            return forward_backward(idx, batch, **kwargs)
 
-        recipe.pp.update_seq_len = record_length
+        recipe._forward_backward_step = record_length
         recipe.run_train_validation_loop()
         results = recipe.moe_export_results
         export = results["export"]
@@ -398,6 +437,7 @@ def _worker(rank: int, world: int, root: str, data_dir: str, tok_dir: str, recip
     out: dict = {"seconds": {}}
     for case, run in (("deepseek_v3_ep", lambda: _ep_case(rank, "deepseek_v3", root, (data_dir, tok_dir))),
                       ("qwen3_moe_ep", lambda: _ep_case(rank, "qwen3_moe", root, None)),
+                      ("deepseek_v3_bf16", lambda: _bf16_case(rank, root)),
                       ("deepseek_v3_pp", lambda: _pp_case(rank, root, (data_dir, tok_dir))),
                       ("recipe", lambda: _recipe_case(rank, recipe_yaml)),
                       ("recipe_pp", lambda: _pipelined_recipe_case(rank, pipelined_yaml))):
@@ -463,12 +503,13 @@ def ranks(inputs):
                  pg_timeout_s=120)
 
 
-def automodel_reference(family: str, layers: int, full: dict[str, torch.Tensor], directory: str):
-    """AutoModel's own HF checkpoint of ``full``: its model loads the weights, its adapter's
-    ``to_hf`` names them, safetensors saves them. Returns the loaded (unsharded) model."""
+def automodel_reference(family: str, layers: int, full: dict[str, torch.Tensor], directory: str,
+                        dtype: torch.dtype = torch.float32):
+    """AutoModel's own HF checkpoint of ``full``: its model (built in ``dtype``) loads the weights,
+    its adapter's ``to_hf`` names them, safetensors saves them. Returns the loaded (unsharded) model."""
     from safetensors.torch import save_file
 
-    model = build(family, layers, seed=3)
+    model = build(family, layers, seed=3, dtype=dtype)
     model.load_state_dict(full, strict=True)
     hf = model.state_dict_adapter.to_hf(model.state_dict())
     os.makedirs(directory, exist_ok=True)
@@ -518,12 +559,14 @@ def merged_full(per_rank: list[dict]) -> dict[str, torch.Tensor]:
 def references(ranks, inputs):
     refs = {}
     for case, family, layers in (("deepseek_v3_ep", "deepseek_v3", 2), ("qwen3_moe_ep", "qwen3_moe", 2),
-                                 ("deepseek_v3_pp", "deepseek_v3", 4), ("recipe", "deepseek_v3", 2),
-                                 ("recipe_pp", "deepseek_v3", 4)):
+                                 ("deepseek_v3_bf16", "deepseek_v3", 2), ("deepseek_v3_pp", "deepseek_v3", 4),
+                                 ("recipe", "deepseek_v3", 2), ("recipe_pp", "deepseek_v3", 4)):
         if any(r[case].get("error") for r in ranks):
             continue
         directory = str(inputs["root"] / "reference" / case)
-        refs[case] = (directory, automodel_reference(family, layers, merged_full([r[case] for r in ranks]), directory))
+        dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+        refs[case] = (directory, automodel_reference(family, layers, merged_full([r[case] for r in ranks]), directory,
+                                                     dtype))
     if "recipe_pp" in refs:  # the pipelined recipe's weights at step 1, when it evaluated between steps
         directory = str(inputs["root"] / "reference" / "recipe_pp_step_1")
         at_step_1 = [{"full": r["recipe_pp"]["full_step_1"]} for r in ranks]
@@ -536,7 +579,7 @@ def references(ranks, inputs):
 # --------------------------------------------------------------------------------------------------
 
 
-EXPORT_CASES = ("deepseek_v3_ep", "qwen3_moe_ep", "deepseek_v3_pp")
+EXPORT_CASES = ("deepseek_v3_ep", "qwen3_moe_ep", "deepseek_v3_bf16", "deepseek_v3_pp")
 
 
 def test_parallelizer_lays_experts_out_on_its_ep_shard_ep_mesh(ranks):
@@ -556,6 +599,15 @@ def test_every_tensor_byte_is_written_once(ranks, case):
     written = sum(r[case]["stats"]["rank_bytes_written"] for r in ranks)
     assert written == ranks[0][case]["stats"]["checkpoint_bytes"] == tensor_bytes_on_disk(path)
     assert all(r[case]["stats"]["rank_bytes_written"] > 0 for r in ranks)
+
+
+def test_bf16_export_keeps_automodels_dtypes(references):
+    """The bf16 case compares bf16 tensors (and the fp32 correction bias AutoModel keeps), not fp32 ones."""
+    reference = read_checkpoint(references["deepseek_v3_bf16"][0])
+    dtypes = {k: t.dtype for k, t in reference.items()}
+    assert dtypes["model.layers.1.mlp.experts.0.gate_proj.weight"] == torch.bfloat16
+    assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
+    assert sum(d == torch.bfloat16 for d in dtypes.values()) == len(dtypes) - 1
 
 
 @pytest.mark.parametrize("case", ("deepseek_v3_ep", "qwen3_moe_ep"))
@@ -628,11 +680,37 @@ def test_mmlu_through_automodels_forward_equals_a_single_process_run(ranks, refe
             assert_same_mmlu(r["deepseek_v3_ep"]["mmlu"][policy], want, policy)
 
 
-def test_mmlu_through_autopipeline_stages_equals_a_single_process_run(ranks, references, inputs):
+def test_mmlu_through_autopipelines_schedule_equals_a_single_process_run(ranks, references, inputs):
     """PP2 x EP2 x FSDP2: every rank (both stages of both pipelines) gets the single-process predictions."""
     want = single_process_mmlu(references["deepseek_v3_pp"][1], inputs)
     for r in ranks:
         assert_same_mmlu(r["deepseek_v3_pp"]["mmlu"], want, f"pp rank {r['deepseek_v3_pp']['pp_rank']}")
+
+
+def test_mmlu_under_pipeline_stages_runs_in_autopipelines_schedule_eval(ranks):
+    """Every stage forward of the evaluation ran in AutoPipeline's own PipelineStage inside a
+    forward-only step of its schedule: one eval step per call, its microbatches in order (the stage's
+    fwd_cache 0, 1, ... as each starts). After it AutoPipeline is shaped for training again (its
+    microbatch rows and the length of the last training step) and its schedule trains."""
+    for r in ranks:
+        case = r["deepseek_v3_pp"]
+        n, forwards = case["n_microbatches"], case["mmlu_forwards"]
+        stage = case["pp_rank"]
+        assert n == 2 and forwards and len(forwards) % n == 0
+        assert forwards == [(stage, False, i) for _ in range(len(forwards) // n) for i in range(n)]
+        assert case["after_mmlu"] == (1, SEQ, True)
+
+
+def test_autopipelines_schedule_gives_automodels_logits_for_rows_it_pads(ranks, references):
+    """3 rows over 2 microbatches (a padding row dropped), every position kept, on every rank."""
+    _, automodel = references["deepseek_v3_pp"]
+    for r in ranks:
+        for ids, logits in r["deepseek_v3_pp"]["forwards_after"]:
+            with torch.no_grad():
+                want = automodel(ids).logits
+            assert logits.dtype == want.dtype == torch.float32
+            assert logits.shape == want.shape == (3, ids.shape[1], VOCAB)
+            assert (logits - want).abs().max().item() <= LOGITS_ATOL
 
 
 def test_autopipeline_trains_on_after_an_evaluation_with_the_losses_of_its_weights(ranks, references):
@@ -696,7 +774,7 @@ def test_train_ft_under_pipeline_stages_evaluates_and_exports_what_automodel_wri
         k_shot = yaml.safe_load(f)["moe_export"]["mmlu"]["k_shot"]  # the recipe's, not this file's
     at_step_1 = single_process_mmlu(references["recipe_pp_step_1"][1], inputs, k_shot=k_shot)
     want = single_process_mmlu(references["recipe_pp"][1], inputs, k_shot=k_shot)  # the final weights
-    for run in runs:  # through AutoPipeline's stage modules: between steps 1 and 2, and at the end
+    for run in runs:  # through AutoPipeline's schedule: between steps 1 and 2, and at the end
         assert_same_mmlu(run["mmlu_step_1"], at_step_1, "recipe_pp at step 1")
         assert_same_mmlu(run["mmlu"], want, "recipe_pp")
     path = runs[0]["path"]

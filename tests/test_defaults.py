@@ -140,7 +140,8 @@ def test_entry_point_parameters_take_the_options_defaults(qualified):
 
 def test_plugin_hooks_and_make_context_restate_no_options():
     """They pass settings through to the callback and the export step, never with defaults of their own."""
-    from nemo_moe_export.hooks import make_context, plugin_hooks
+    from nemo_moe_export.hooks import make_context
+    from nemo_moe_export.plugin import plugin_hooks
 
     fields = set(defaults_of(MMLUOptions)) | set(defaults_of(ExportOptions))
     for func in (plugin_hooks, make_context):

@@ -132,18 +132,19 @@ def test_export_reuses_the_adapter_built_at_setup(tmp_path):
 
 
 def test_hook_protocol_is_one_and_public():
-    """The recipe's trainer, the callbacks and the integrations share nemo_moe_export.hooks."""
+    """The recipe's trainer, the callbacks and the integrations share nemo_moe_export.hooks; the
+    plugin's own hooks are assembled in nemo_moe_export.plugin."""
     import inspect
 
     import nemo_moe_export
-    from nemo_moe_export import hooks, integrations
+    from nemo_moe_export import hooks, integrations, plugin
     from nemo_moe_export.evaluate.callback import MMLUCallback
     from nemo_moe_export.export import ExportStep
 
-    for cls in (MMLUCallback, ExportStep, hooks.AdapterHook, hooks.HookList):
+    for cls in (MMLUCallback, ExportStep, plugin.AdapterHook, hooks.HookList):
         assert list(inspect.signature(cls.on_setup).parameters) == ["self", "ctx"], cls
         assert list(inspect.signature(cls.on_step_end).parameters) == ["self", "ctx", "step"], cls
         assert list(inspect.signature(cls.on_train_end).parameters) == ["self", "ctx"], cls
-    assert issubclass(MMLUCallback, hooks.Hook) and issubclass(hooks.AdapterHook, hooks.Hook)
-    assert integrations.plugin_hooks is hooks.plugin_hooks is nemo_moe_export.plugin_hooks
+    assert issubclass(MMLUCallback, hooks.Hook) and issubclass(plugin.AdapterHook, hooks.Hook)
+    assert integrations.plugin_hooks is plugin.plugin_hooks is nemo_moe_export.plugin_hooks
     assert integrations.make_context is hooks.make_context is nemo_moe_export.make_context

@@ -113,7 +113,7 @@ def _bridge_path(model, tok, data_root: str, workdir: str) -> dict:
 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from nemo_moe_export.hooks import plugin_hooks
+    from nemo_moe_export.plugin import plugin_hooks
     from nemo_moe_export.integrations.megatron_bridge import BridgeEvents
 
     chunk = DistributedDataParallel(model.gpt.config, DistributedDataParallelConfig(), model.gpt)

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 __all__ = ["float32_keys", "fp32_patterns"]
 
@@ -56,11 +58,6 @@ def _declares_fp32(model: Any) -> bool:
 def _model_class(config: Any) -> Any:
     """The causal-LM class transformers builds for ``config`` (a config object or a dict), or None."""
     if config is None:
-        return None
-    try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    except ImportError:  # pragma: no cover - transformers is a dependency
         return None
     if isinstance(config, Mapping):
         model_type = config.get("model_type")

@@ -10,6 +10,7 @@ What every integration is built from is re-exported here: ``plugin_hooks`` (the 
 settings) and ``make_context`` (the context the hooks share).
 """
 
-from nemo_moe_export.hooks import AdapterHook, Hook, HookList, RecipeContext, make_context, plugin_hooks
+from nemo_moe_export.hooks import Hook, HookList, RecipeContext, make_context
+from nemo_moe_export.plugin import AdapterHook, plugin_hooks
 
 __all__ = ["AdapterHook", "Hook", "HookList", "RecipeContext", "make_context", "plugin_hooks"]

@@ -11,8 +11,8 @@ and ``from_hf`` take AutoModel's model (or its pipeline stage modules) as they a
     export_hf_checkpoint("out/hf", autopipeline.parts, pp_group=mesh_context.device_mesh["pp"].get_group())
 
 MMLU runs through AutoModel's own forward behind :class:`AutoModelCausalLM`, with the groups read
-from AutoModel's meshes (:func:`automodel_layout`); under pipeline stages through AutoPipeline's
-stage modules behind :class:`AutoPipelineCausalLM` (a forward-only schedule over them):
+from AutoModel's meshes (:func:`automodel_layout`); under pipeline stages through AutoPipeline's own
+schedule behind :class:`AutoPipelineCausalLM` (one forward-only ``eval()`` step of it per call):
 
     from nemo_moe_export import evaluate_mmlu
     layout = automodel_layout(mesh_context.device_mesh, mesh_context.moe_mesh)
@@ -28,8 +28,10 @@ recipe class can mix in :class:`MoEExportRecipeMixin` and call its three methods
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -38,9 +40,10 @@ from torch import nn
 
 from nemo_moe_export.adapters import StateDictAdapter, get_table
 from nemo_moe_export.errors import ExportInputError, current_rank
-from nemo_moe_export.hooks import make_context, plugin_hooks
+from nemo_moe_export.hooks import make_context
+from nemo_moe_export.plugin import plugin_hooks
 from nemo_moe_export.integrations._install_hint import missing
-from nemo_moe_export.pipeline.model import PipelinedCausalLM
+from nemo_moe_export.pipeline.model import PipelinedCausalLM, _reshard
 from nemo_moe_export.pipeline.stages import PipelineStageError, StageInfo, kept_positions
 
 __all__ = ["AutoModelCausalLM", "AutoModelStateDictAdapter", "AutoPipelineCausalLM", "MoEExportFinetuneRecipe",
@@ -79,41 +82,155 @@ class AutoModelCausalLM:
     __call__ = forward
 
 
-class AutoPipelineCausalLM(PipelinedCausalLM):
-    """AutoModel's pipeline stages (``AutoPipeline``, built) as one transformers-style causal LM,
-    forward only: ``.logits`` on every rank of the pipeline group (docs/design.md#nemo-automodel).
+_KEPT = "nemo_moe_export_kept_positions"
+"""The keyword that carries the scored positions ``[rows, n]`` to the stages: torch's schedule splits
+it with the rows; our pre-hook takes it out before AutoModel's forward (which reads a
+``logits_to_keep`` tensor differently) sees it."""
 
-    AutoPipeline's own schedule trains (1F1B with its loss) at the training shapes; MMLU batches
-    change shape from batch to batch, and re-shaping the training schedule's stages would reset
-    their state between optimizer steps. So this runs our forward-only pipeline
-    (:class:`~nemo_moe_export.pipeline.PipelinedCausalLM`: ``ScheduleGPipe``/``ScheduleLoopedBFS``
-    per batch shape, logits broadcast from the last stage) over AutoPipeline's stage modules
-    (``autopipeline.parts``), at AutoPipeline's stage ids and on its pipeline group; the training
-    schedule is left untouched. Each stage module runs AutoModel's own forward; on the last stage
-    a pre-hook on ``lm_head`` keeps only the scored positions. ``n_microbatches`` (default: the
-    stage count) and ``dtype`` (hidden states between stages and logits; default
-    ``config.dtype``) as :class:`~nemo_moe_export.pipeline.PipelinedCausalLM` takes them.
-    Every call leaves the stage modules' ``fully_shard`` weights resharded, as a training step
-    does, so AutoPipeline's next 1F1B step runs after an evaluation between steps
-    (docs/design.md#nemo-automodel).
+
+class AutoPipelineCausalLM(PipelinedCausalLM):
+    """AutoModel's pipeline (``AutoPipeline``, built) as one transformers-style causal LM, forward
+    only: ``.logits`` on every rank of the pipeline group (docs/design.md#nemo-automodel).
+
+    Each call is one ``eval()`` step of AutoPipeline's own schedule (torch's forward-only step of
+    it: 1F1B / interleaved, whichever AutoPipeline built) over its own ``PipelineStage`` objects and
+    stage modules, so every stage runs AutoModel's own forward. AutoPipeline fixes the microbatch
+    count (``pp_batch_size // pp_microbatch_size``) and shapes its stages per microbatch rows and
+    length; a call pads its rows to a multiple of that count (one-token rows, dropped after), has
+    AutoPipeline re-shape its stages to the call's microbatch (its ``update_seq_len``) and shapes
+    them back to the training microbatch and length after, so AutoPipeline's next training step
+    runs as it would have. On the last stage a pre-hook on ``lm_head`` keeps only the scored
+    positions, which travel to it as a keyword the schedule splits with the rows; the last stage's
+    logits are broadcast over the pipeline group. Every call starts and ends with the stage modules'
+    ``fully_shard`` weights resharded, as a training step leaves them. ``dtype``: the returned
+    logits' (default ``config.dtype``).
     """
 
     def __init__(self, autopipeline: Any, n_microbatches: int | None = None, *,
                  dtype: torch.dtype | None = None) -> None:
         stages = list(autopipeline.info.stages or ())
-        if not stages:
+        if not stages or autopipeline.info.schedule is None:
             raise ExportInputError("AutoPipeline has no stages", key="autopipeline", expected="a built AutoPipeline",
                                    actual="no stages", hint="call autopipeline.build(model, ...) first")
+        scheduled = autopipeline.pp_batch_size // autopipeline.pp_microbatch_size  # what AutoPipeline builds
+        if n_microbatches not in (None, scheduled):
+            raise ExportInputError("AutoPipeline's schedule fixes the microbatch count", key="n_microbatches",
+                                   expected=scheduled, actual=n_microbatches,
+                                   hint="leave n_microbatches out: pp_batch_size // pp_microbatch_size")
+        if any(getattr(s.submod, "_pp_return_hidden_states", False) is True for s in stages):
+            raise ExportInputError("AutoPipeline's last stage returns hidden states, not logits",
+                                   key="_pp_return_hidden_states", expected=False, actual=True,
+                                   hint="AutoModel's recipe sets it for a linear cross-entropy loss; evaluate MMLU "
+                                        "with a logits loss (e.g. MaskedCrossEntropy)")
         # before Module.__init__: PipelinedCausalLM's constructor checks the parts through stage_info()
-        self._modules_of = {id(s.submod): _AutoModelStage(s.submod, _info_of(s)) for s in stages}
+        self._infos = {id(s.submod): _info_of(s) for s in stages}
         super().__init__([s.submod for s in stages], [s.stage_index for s in stages], stages[0].num_stages,
-                         stages[0].group, n_microbatches, dtype=dtype)
+                         stages[0].group, scheduled, dtype=dtype)
+        self.autopipeline = autopipeline
+        self._hooks = _StageHooks(stages)
 
     def stage_info(self, part: nn.Module) -> StageInfo:
-        return self._modules_of[id(part)].info
+        return self._infos[id(part)]
 
-    def stage_module(self, part: nn.Module) -> nn.Module:
-        return self._modules_of[id(part)]
+    def run(self, rows: int, length: int, kept: int, *args: Any, loss_fn: Any = None, **kwargs: Any) -> Any:
+        """One ``schedule.eval`` of AutoPipeline's schedule over ``rows`` (a multiple of the
+        microbatch count) x ``length`` tokens; the last stage's ``[rows, kept, vocab]`` logits on
+        the rank holding it, None elsewhere."""
+        if loss_fn is not None:
+            raise ExportInputError("AutoPipelineCausalLM only evaluates", key="loss_fn", expected=None,
+                                   actual=loss_fn, hint="train with autopipeline.step (AutoModel's recipe does)")
+        pipeline = self.autopipeline
+        schedule, stages = pipeline.info.schedule, pipeline.info.stages
+        keep = kwargs.pop("logits_to_keep", None)
+        if keep is not None:
+            kwargs[_KEPT] = keep
+        with _stage_shapes(pipeline, rows // self.n_microbatches, length), self._hooks:
+            _reshard(self.parts)  # the state a training step leaves, whatever the other pipelines did
+            try:
+                return schedule.eval(*args, target=_ignored_targets(pipeline, rows, kept, self.device), **kwargs)
+            except Exception as exc:
+                if self._hooks.running is None:  # not this rank's stage: the failure reports name the peer's
+                    raise
+                raise PipelineStageError(self._hooks.running, current_rank(), exc) from exc
+            finally:
+                for stage in stages:
+                    stage.clear_runtime_states()  # eval keeps each microbatch's activations (no backward pops them)
+                _reshard(self.parts)
+
+
+class _StageHooks:
+    """While entered, on AutoPipeline's stage modules: a forward pre-hook that takes the kept
+    positions out of the keywords (and records which stage runs, to name it if it fails) and, on the
+    stage holding ``lm_head``, a pre-hook there that projects only those positions."""
+
+    def __init__(self, stages: list[Any]) -> None:
+        self.stages = stages
+        self.handles: list[Any] = []
+        self.running: int | None = None
+        self.kept: torch.Tensor | None = None
+
+    def __enter__(self) -> _StageHooks:
+        self.running = self.kept = None
+        for stage in self.stages:
+            # prepend: before FSDP's own pre-forward, so that no other hook sees the keyword
+            self.handles.append(stage.submod.register_forward_pre_hook(
+                functools.partial(self._enter_stage, stage.stage_index), with_kwargs=True, prepend=True))
+            self.handles.append(stage.submod.register_forward_hook(self._leave_stage))
+            head = getattr(stage.submod, "lm_head", None)
+            if isinstance(head, nn.Module):
+                self.handles.append(head.register_forward_pre_hook(self._keep_positions))
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.kept = None
+
+    def _enter_stage(self, index: int, _module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.running, self.kept = index, kwargs.pop(_KEPT, None)
+        return args, kwargs
+
+    def _leave_stage(self, *_: Any) -> None:
+        self.running = self.kept = None
+
+    def _keep_positions(self, _module: Any, args: tuple) -> tuple | None:
+        return None if self.kept is None else (kept_positions(args[0], self.kept), *args[1:])
+
+
+@contextlib.contextmanager
+def _stage_shapes(pipeline: Any, microbatch_rows: int, length: int) -> Iterator[None]:
+    """AutoPipeline's stages shaped for microbatches of ``microbatch_rows`` x ``length`` by its own
+    ``update_seq_len`` (stage metadata, receive buffers, runtime initializers), then shaped back to
+    the training microbatch and the length AutoPipeline was last shaped for (else its ``pp_seq_len``;
+    with neither, the recipe's next ``update_seq_len`` shapes it)."""
+    current = pipeline._pp_current_seq_len
+    training = (pipeline.pp_microbatch_size, current if current is not None else pipeline.pp_seq_len)
+    _reshape(pipeline, microbatch_rows, length)
+    try:
+        yield
+    finally:
+        _reshape(pipeline, *training)
+
+
+def _reshape(pipeline: Any, microbatch_rows: int, length: int | None) -> None:
+    pipeline.pp_microbatch_size = microbatch_rows
+    # update_seq_len re-shapes only when the length differs from the one it last shaped for; the
+    # microbatch rows are not part of that check, so it is told it has shaped for none
+    pipeline._pp_current_seq_len = None
+    if length is not None:
+        pipeline.update_seq_len(length)
+
+
+def _ignored_targets(pipeline: Any, rows: int, kept: int, device: torch.device) -> torch.Tensor | None:
+    """The last stage's targets for ``eval``: torch's schedules compute their loss on the last stage
+    whenever they have one, eval included, so it gets labels of the loss's ``ignore_index``
+    everywhere (``[rows, kept]``, the shape of the logits it sees), scoring nothing."""
+    loss_fn = getattr(pipeline.info.schedule, "_loss_fn", None)
+    if not pipeline.info.has_last_stage or loss_fn is None:
+        return None
+    ignore = getattr(loss_fn, "ignore_index", -100)  # -100: torch's and AutoModel's default
+    return torch.full((rows, kept), int(ignore), dtype=torch.long, device=device)
 
 
 def _info_of(stage: Any) -> StageInfo:
@@ -121,33 +238,6 @@ def _info_of(stage: Any) -> StageInfo:
     indices its ``model.layers`` keeps)."""
     layers = getattr(getattr(stage.submod, "model", None), "layers", None) or {}
     return StageInfo(stage.stage_index, stage.num_stages, tuple(sorted(int(k) for k in layers.keys())))
-
-
-class _AutoModelStage(nn.Module):
-    """An AutoPipeline stage module called as our pipeline calls a stage, ``(x, attention_mask=,
-    logits_to_keep=)`` -> tensor: AutoModel's own forward (the stage module's, which takes input ids
-    or hidden states and returns a tensor), with ``logits_to_keep`` (``[rows, n]`` positions per
-    row, which AutoModel's forward reads differently) applied in a pre-hook on ``lm_head``; a
-    failure is named by stage and rank (:class:`~nemo_moe_export.pipeline.PipelineStageError`)."""
-
-    def __init__(self, part: nn.Module, info: StageInfo) -> None:
-        super().__init__()
-        self.part, self.info = part, info
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                logits_to_keep: torch.Tensor | None = None) -> torch.Tensor:
-        head = getattr(self.part, "lm_head", None)
-        handle = None
-        if head is not None and logits_to_keep is not None:
-            handle = head.register_forward_pre_hook(
-                lambda _, args: (kept_positions(args[0], logits_to_keep), *args[1:]))
-        try:
-            return self.part(x, attention_mask=attention_mask)
-        except Exception as exc:
-            raise PipelineStageError(self.info.index, current_rank(), exc) from exc
-        finally:
-            if handle is not None:
-                handle.remove()
 
 
 def automodel_layout(device_mesh: Any, moe_mesh: Any = None) -> Any:
@@ -173,7 +263,7 @@ class MoEExportRecipeMixin:
     """Adds ``moe_export_setup`` / ``moe_export_step_end`` / ``moe_export_train_end`` to a recipe.
 
     Settings come from ``self.moe_export = {"mmlu": {...}, "export": {...}}`` (keyword arguments
-    of ``MMLUCallback`` and ``ExportStep``, as :func:`~nemo_moe_export.hooks.plugin_hooks` takes
+    of ``MMLUCallback`` and ``ExportStep``, as :func:`~nemo_moe_export.plugin.plugin_hooks` takes
     them); what the hooks record is ``self.moe_export_results``.
     """
 
@@ -286,7 +376,7 @@ def _finetune_recipe_class() -> type:
         the adapter built before the first step; the MMLU history comes back with a checkpoint,
         :class:`PluginState`), ``_run_train_optim_step`` (after each optimizer step) and
         ``run_train_validation_loop`` (after the loop). Under pipeline stages MMLU runs through
-        AutoPipeline's stage modules (:class:`AutoPipelineCausalLM`, between 1F1B steps and at the
+        AutoPipeline's own schedule (:class:`AutoPipelineCausalLM`, between 1F1B steps and at the
         end), and the export takes the stage modules with the pipeline group.
         """
 

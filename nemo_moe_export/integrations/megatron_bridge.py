@@ -30,6 +30,7 @@ from typing import Any
 from nemo_moe_export.evaluate.callback import LOSS_HISTORY_KEY
 from nemo_moe_export.hooks import make_context
 from nemo_moe_export.integrations._install_hint import missing
+from nemo_moe_export.megatron import MegatronCausalLM, is_megatron_model
 
 __all__ = ["BridgeEvents", "megatron_bridge_callback", "plugin_model"]
 
@@ -42,8 +43,6 @@ def plugin_model(chunks: Any, *, family: str | None = None) -> Any:
     model = chunks[0] if isinstance(chunks, (list, tuple)) else chunks
     while hasattr(model, "module"):  # DistributedDataParallel, Float16Module, ...
         model = model.module
-    from nemo_moe_export.megatron import MegatronCausalLM, is_megatron_model
-
     if is_megatron_model(model):
         return MegatronCausalLM(model, family=family)
     return model

@@ -19,6 +19,7 @@ Needs ``pip install nemo-run``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any
 
 from nemo_moe_export.integrations._install_hint import missing
 from nemo_moe_export.recipe.compose import CONFIG_PATH_ENV, load_config, split_recipe_args, user_config_dirs
+from nemo_moe_export.recipe.stages import check_recipe
 
 __all__ = ["OVERRIDES_ENV", "launch_main", "local_executor", "recipe_task", "slurm_executor"]
 
@@ -48,8 +50,6 @@ def recipe_task(recipe: str, overrides: list[str], config_dirs: list[Path] | tup
     The user's config folders (absolute, in precedence order) travel in ``NEMO_MOE_EXPORT_CONFIG_PATH``
     for the same reason.
     """
-    import json
-
     env = {OVERRIDES_ENV: json.dumps(list(overrides))}
     if config_dirs:
         env[CONFIG_PATH_ENV] = os.pathsep.join(str(d) for d in config_dirs)
@@ -81,8 +81,6 @@ def launch_main(argv: list[str]) -> int:
     user_dirs = user_config_dirs(config_dirs)
     # Validate now, for the world the job will have: Hydra's errors and the recipe checks (stages,
     # options, paths, EP size against the ranks and experts) before anything is launched.
-    from nemo_moe_export.recipe.stages import check_recipe
-
     world = (nproc or 8) * known.nodes if known.slurm_account else (nproc or 1)
     check_recipe(load_config(recipe, overrides, config_dirs), world)
     run = _run()

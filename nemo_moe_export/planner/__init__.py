@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.planner.mmlu import plan_mmlu
 from nemo_moe_export.planner.model import MetaModel, PlanTarget, build_meta_model
 from nemo_moe_export.planner.model_parallel import model_parallel_of
 from nemo_moe_export.planner.report import build_report, format_table
@@ -32,8 +33,6 @@ def plan_job(target: PlanTarget, world: int, time_model: TimeModel, *, device: s
     simulation = simulate(meta, target.parallel, world, target.export, device=device)
     mmlu_plan: Any = None
     if mmlu is not None:
-        from nemo_moe_export.planner.mmlu import plan_mmlu
-
         mmlu_plan = plan_mmlu(mmlu[0], mmlu[1], target.parallel, world, meta, target.mmlu)
     return build_report(target, meta, simulation, predict(simulation, time_model), device=device,
                         per_rank=per_rank, mmlu=mmlu_plan)

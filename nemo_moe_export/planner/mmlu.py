@@ -12,7 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers import AutoTokenizer
+
+from nemo_moe_export.evaluate.data import load_mmlu
+from nemo_moe_export.evaluate.evaluator import global_batches
 from nemo_moe_export.evaluate.options import MMLUOptions
+from nemo_moe_export.evaluate.planning import plan_steps
+from nemo_moe_export.evaluate.prepare import default_max_length, model_vocab_size, prepare_questions
 from nemo_moe_export.parallel import ParallelLayout, RankGroup, expert_parallel_groups
 
 __all__ = ["plan_mmlu", "rank_layout"]
@@ -36,13 +42,6 @@ def rank_layout(rank: int, world: int, parallel: Any) -> ParallelLayout:
 def plan_mmlu(data_path: str, tokenizer_path: str, parallel: Any, world: int, meta: Any,
               options: MMLUOptions | None = None) -> dict:
     """Steps and rows of every rank for each policy, for the questions under ``data_path``."""
-    from transformers import AutoTokenizer
-
-    from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.evaluator import global_batches
-    from nemo_moe_export.evaluate.planning import plan_steps
-    from nemo_moe_export.evaluate.prepare import default_max_length, model_vocab_size, prepare_questions
-
     opts = options or MMLUOptions()
     questions = load_mmlu(data_path, splits=("dev", "test"))
     dev = [q for q in questions if q.split == "dev"]

@@ -24,10 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from nemo_moe_export.adapters import get_adapter
+from nemo_moe_export.config import ModelConfig, ParallelConfig
 from nemo_moe_export.config import ARCHITECTURES, architecture, model_dtype
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.evaluate.options import MMLUOptions
+from nemo_moe_export.expert_parallel import experts_modules
+from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.options import parse_dtype
+from nemo_moe_export.recipe.compose import load_config, packaged_dir
+from nemo_moe_export.tiny_models import tiny_config
 
 __all__ = ["MetaModel", "PlanTarget", "build_meta_model", "from_config_file", "from_preset", "from_recipe",
            "hf_config_from_dict"]
@@ -51,8 +60,6 @@ class PlanTarget:
 def hf_config_from_dict(values: Mapping[str, Any]) -> Any:
     """A transformers config from ``config.json`` values (``kimi_k2`` is DeepSeek-V3's class with
     its own ``model_type``, so the adapter picks the Kimi table)."""
-    from transformers import AutoConfig
-
     values = dict(values)
     model_type = values.pop("model_type", None)
     if not model_type:
@@ -91,11 +98,6 @@ def from_config_file(path: str | os.PathLike[str], parallel: Any, export: Any) -
 
 def from_preset(name: str, parallel: Any, export: Any) -> PlanTarget:
     """A model preset of ``nemo_moe_export/conf/model`` (``deepseek_v3_tiny``, ...), as the recipe builds it."""
-    from omegaconf import OmegaConf
-
-    from nemo_moe_export.config import ModelConfig
-    from nemo_moe_export.recipe.compose import packaged_dir
-
     path = Path(packaged_dir("conf")) / "model" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in path.parent.glob("*.yaml"))
@@ -109,8 +111,6 @@ def from_preset(name: str, parallel: Any, export: Any) -> PlanTarget:
 def _preset_config(cfg: Any, vocab_size: int = 256) -> Any:
     """The HF config ``recipe/trainer.build_model`` builds for a model preset (vocab: the recipe's
     tokenizer's size is only known at run time; 256 stands in)."""
-    from nemo_moe_export.tiny_models import tiny_config
-
     if cfg.backend != "transformers":
         raise ExportInputError("the planner builds transformers models only", key="model.backend",
                                expected="transformers", actual=cfg.backend)
@@ -124,19 +124,11 @@ def _preset_config(cfg: Any, vocab_size: int = 256) -> Any:
 
 def from_recipe(recipe: str, overrides: list[str], config_dirs: list[str] = ()) -> PlanTarget:
     """A recipe's model, parallel layout and export options, composed as the job composes them."""
-    from omegaconf import OmegaConf
-
-    from nemo_moe_export.config import ModelConfig, ParallelConfig
-    from nemo_moe_export.export.options import ExportOptions
-    from nemo_moe_export.recipe.compose import load_config
-
     cfg = load_config(recipe, list(overrides), list(config_dirs))
     model = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg.model))
     parallel = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ParallelConfig), cfg.parallel))
     export = {k: v for k, v in OmegaConf.to_container(cfg.export, resolve=True).items()
               if k in ExportOptions.__dataclass_fields__}
-    from nemo_moe_export.evaluate.options import MMLUOptions
-
     mmlu = {k: v for k, v in OmegaConf.to_container(cfg.mmlu, resolve=True).items()
             if k in MMLUOptions.__dataclass_fields__}
     return PlanTarget(str(cfg.name), _preset_config(model), model_dtype(model), parallel,
@@ -184,11 +176,6 @@ class MetaModel:
 
 def build_meta_model(config: Any, dtype: torch.dtype) -> MetaModel:
     """Build the model from ``config`` on the meta device (as the recipe builds it, in ``dtype``)."""
-    from transformers import AutoModelForCausalLM
-
-    from nemo_moe_export.adapters import get_adapter
-    from nemo_moe_export.expert_parallel import experts_modules
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state_dict = dict(model.state_dict())

@@ -31,7 +31,13 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from transformers import AutoModelForCausalLM
+
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
 
 __all__ = ["MODEL_PARALLEL_STRATEGIES", "ModelParallel", "check_model_parallel", "model_parallel_of",
            "recorded_placements"]
@@ -102,11 +108,6 @@ def recorded_placements(meta: Any, parallel: Any, stage_ranks: int, become: Any
 
 
 def _lay_out(meta: Any, mp: ModelParallel, strategy: str, stage_ranks: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
-
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
-
     model = _representative_model(meta)
     shape, names = mp.root(stage_ranks)
     root = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -131,9 +132,6 @@ def _representative_model(meta: Any) -> Any:
     """The model's first ``max(representative layer) + 1`` decoder layers on the meta device: every
     representative layer under its own name (layer kinds depend on the index only: dense first
     layers, sparse steps), and the embedding, final norm and ``lm_head``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(meta.config)
     layers = max(meta.members) + 1 if meta.members else 0
     config.num_hidden_layers = layers

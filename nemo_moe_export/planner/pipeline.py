@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.pipeline.stages import _layer_counts, stage_ids
 
 __all__ = ["Pipeline", "pipeline_of"]
 
@@ -39,8 +40,6 @@ class Pipeline:
         return len(self.layers)
 
     def stages_of(self, pp_rank: int) -> list[int]:
-        from nemo_moe_export.pipeline.stages import stage_ids
-
         return stage_ids(pp_rank, self.pp_size, self.stages_per_rank)
 
     def stage_of(self, key: str) -> int:
@@ -81,8 +80,6 @@ def pipeline_of(parallel: Any, meta: Any) -> Pipeline | None:
                                actual=f"pp_size={pp_size}, stages_per_rank={stages_per_rank}")
     if pp_size == 1:  # one pipeline rank holds every stage: the export's plain path (no pipeline group)
         return None
-    from nemo_moe_export.pipeline.stages import _layer_counts  # the split split_stages makes
-
     n_stages = pp_size * stages_per_rank
     text = meta.config.get_text_config() if hasattr(meta.config, "get_text_config") else meta.config
     if n_stages > 1 and getattr(text, "tie_word_embeddings", False):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nemo_moe_export.planner.stage_report import pipeline_report
+
 __all__ = ["build_report", "format_bytes", "format_table"]
 
 _RANK_FIELDS = ("bytes", "runs", "files_owned", "files_written", "header_bytes", "staged_bytes",
@@ -53,8 +55,6 @@ def build_report(target: Any, meta: Any, simulation: Any, timing: dict, *, devic
         simulation_seconds=simulation.seconds,
     )
     if simulation.stages is not None:
-        from nemo_moe_export.planner.stage_report import pipeline_report
-
         report["pipeline"] = pipeline_report(simulation, timing, meta)
     if per_rank:
         report["ranks"] = [{"rank": r.rank, **{f: getattr(r, f) for f in _RANK_FIELDS}} for r in ranks]

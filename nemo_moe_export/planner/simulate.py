@@ -28,27 +28,42 @@ keys map to files through the plan.
 from __future__ import annotations
 
 import math
+import os
+import pickle
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.export import stages
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners, check_coverage, element_counts
 from nemo_moe_export.export.replicas import replica_sets
 from nemo_moe_export.export.row_exchange import row_parallel_shares, row_parts
 from nemo_moe_export.export.step import (cyclic_gc_paused, export_catalogue, export_plan_of, rank_write_shares,
                                          replicated_tensors)
+from nemo_moe_export.export.target import export_id_of, new_export_id, write_metadata_files
+from nemo_moe_export.export.verify import verify_checkpoint
+from nemo_moe_export.export.writer import write_headers
 from nemo_moe_export.export.writer import byte_runs
+from nemo_moe_export.layout import get_ep_expert_range
+from nemo_moe_export.parallel import RankGroup, expert_parallel_groups
 from nemo_moe_export.planner.model import MetaModel
 from nemo_moe_export.planner.model_parallel import (ModelParallel, check_model_parallel, model_parallel_of,
                                                     recorded_placements)
 from nemo_moe_export.planner.pipeline import Pipeline, pipeline_of
+from nemo_moe_export.recipe.checks import check_strategy
 
 __all__ = ["RankPlan", "Simulation", "StageWork", "fake_world", "simulate"]
 
@@ -152,8 +167,6 @@ def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
 def fake_world() -> Iterator[Any]:
     """Own the default process group for the simulation (refused if a real one exists); yields a
     function that makes this process rank ``r`` of ``W``."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise ExportInputError("the planner needs a process without a process group", key="torch.distributed",
                                expected="no default process group", actual=f"backend {dist.get_backend()}",
@@ -197,8 +210,6 @@ class _Layout:
     routed experts of the ``ep`` strategy."""
 
     def __init__(self, parallel: Any, world: int, recorded: Mapping[str, Any] | None = None) -> None:
-        from torch.distributed.tensor import Replicate, Shard
-
         strategy, pp = parallel.strategy, _pp_size(parallel)
         stage = world // pp  # ranks per stage (the whole world without pipeline stages)
         self.dense = self.experts = self.plain = None  # (mesh, placements); None: a plain tensor
@@ -255,8 +266,6 @@ def _stage_mesh(pp: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
     outermost would be (the same ranks, coordinates and groups), without opening the groups of
     the other stages and of the "pp" dim, which no tensor is placed on (at 1,024 ranks, most of
     the simulation's time)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
     if pp == 1:
         return init_device_mesh("cpu", shape, mesh_dim_names=names)
     size = math.prod(shape)
@@ -267,9 +276,6 @@ def _stage_mesh(pp: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
 def _rank_state_dict(tensors: Mapping[str, torch.Tensor], meta: MetaModel, layout: _Layout) -> dict[str, torch.Tensor]:
     """This rank's state dict: meta DTensors of this rank's local shapes (one per distinct tensor
     layout; a DTensor is only read, so keys of equal shape and layout may share one)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     made: dict[tuple, torch.Tensor] = {}
     out = {}
     for key, tensor in tensors.items():
@@ -291,10 +297,6 @@ def _rank_state_dict(tensors: Mapping[str, torch.Tensor], meta: MetaModel, layou
 def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
     """The layout fits the world and the model, as ``recipe/checks.py`` and ``shard_model`` require
     (under pipeline stages, the strategy's sizes divide the ranks of a stage)."""
-    from nemo_moe_export.layout import get_ep_expert_range
-    from nemo_moe_export.parallel import expert_parallel_groups
-    from nemo_moe_export.recipe.checks import check_strategy
-
     if not isinstance(world, int) or world < 1:
         raise ExportInputError("the world size must be a positive integer", key="--world", expected=">= 1",
                                actual=world)
@@ -391,11 +393,6 @@ def _catalogue_seconds(meta: MetaModel, pipeline: Pipeline, options: ExportOptio
 
 
 def _time_catalogues(meta: MetaModel, pipeline: Pipeline, options: ExportOptions) -> tuple[float, int, float]:
-    import pickle
-
-    from nemo_moe_export.export import stages
-    from nemo_moe_export.parallel import RankGroup
-
     whole = export_catalogue(meta.adapter, meta.state_dict, options, model=meta.model, config=meta.config)
     parts = []
     for pp_rank in range(pipeline.pp_size):
@@ -470,13 +467,6 @@ def _metadata_seconds(meta: MetaModel, plan: ExportPlan, options: ExportOptions)
 
 
 def _time_metadata(meta: MetaModel, plan: ExportPlan, options: ExportOptions) -> tuple[float, float, float]:
-    import os
-    import tempfile
-
-    from nemo_moe_export.export.target import export_id_of, new_export_id, write_metadata_files
-    from nemo_moe_export.export.verify import verify_checkpoint
-    from nemo_moe_export.export.writer import write_headers
-
     stamped, stamp_s = _timed(plan.stamped, export_id_of(new_export_id()))
     model = meta.model
     generation = model.generation_config if getattr(model, "can_generate", lambda: False)() else None
@@ -591,8 +581,6 @@ def _exchanged_rows(exchange: Any, out: RankPlan, positions: list[int], device: 
     """What ``row_exchange.write_exchanged_rows`` hands the writer for one row-parallel share (this
     rank's part of the shared rows, every column; None when its part is empty), counting the bytes
     it sends its peers and its all-to-all, once per member layer (``positions``)."""
-    from dataclasses import replace
-
     share, tp, me = exchange.share, len(exchange.peers), exchange.me
     rows, cols = share.tensor.shape
     chunk, parts = row_parts(rows, tp)
@@ -612,8 +600,6 @@ def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: 
                       held: _Held) -> None:
     """What the replica check (replicas.py) compares on this rank (``replicated``: the tensors
     ``step.replicated_tensors`` names, those of its stages), and what it all-reduces."""
-    from torch.distributed.tensor import DTensor
-
     sets, seconds = _timed(replica_sets, replicated, _Coordinator(out.rank, world))
     out.local_seconds += seconds * held.scale
     held_count = {name: held.count(name, meta) for name in replicated}

@@ -86,6 +86,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from nemo_moe_export.collectives import butterfly_rounds
+from nemo_moe_export.errors import ExportInputError
 
 __all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "STAGE_AGREEMENTS", "STAGE_RANK_VECTORS",
            "TimeModel", "VALIDATE_WORDS", "all_reduce_hops", "collectives", "exchange_collectives", "gather_hops",
@@ -148,8 +149,6 @@ class TimeModel:
     nccl_all_reduce_s: float = DEFAULT_NCCL_ALL_REDUCE_S
 
     def __post_init__(self) -> None:
-        from nemo_moe_export.errors import ExportInputError
-
         for name in ("node_bandwidth", "checksum_bandwidth", "network_bandwidth"):
             if not getattr(self, name) > 0:
                 raise ExportInputError("bandwidth must be positive", key=name, expected="> 0 bytes/s",

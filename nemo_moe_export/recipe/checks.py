@@ -22,8 +22,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from nemo_moe_export.config import STAGES, model_dtype, validate_config
+from torch.distributed.checkpoint import FileSystemReader
+
+from nemo_moe_export.config import BACKENDS, STAGES, model_dtype, validate_config
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
+from nemo_moe_export.megatron.recipe import check_megatron_pipeline
+from nemo_moe_export.parallel import DEVICES
+from nemo_moe_export.recipe.data import SUBJECTS
+from nemo_moe_export.tiny_models import FAMILIES, build_model
 
 __all__ = ["STRATEGIES", "check_config", "check_export_target", "check_stages", "check_strategy", "export_target"]
 
@@ -101,8 +108,6 @@ def _check_target_parent(target: str, run_dir: str) -> None:
 def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
     """The strategy and device are known; on ``world_size`` ranks, HSDP replicas and the EP size
     divide the ranks and the EP size divides the expert count (experts split in equal blocks)."""
-    from nemo_moe_export.parallel import DEVICES
-
     check_strategy(parallel)
     _choice("parallel.device", parallel.device, DEVICES, "unknown device")
     _positive("parallel.timeout_s", parallel.timeout_s, number=True)
@@ -174,8 +179,6 @@ def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
     if pp == 1 and parallel.stages_per_rank == 1 and not parallel.layers_per_stage:
         return world_size
     if model.backend == "megatron_core":  # one model chunk per rank, megatron's first/last-stage split
-        from nemo_moe_export.megatron.recipe import check_megatron_pipeline
-
         check_megatron_pipeline(parallel, model)
     stages = pp * parallel.stages_per_rank
     split = list(parallel.layers_per_stage or [])
@@ -194,9 +197,6 @@ def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
 
 
 def _check_model(model: Any) -> None:
-    from nemo_moe_export.recipe.trainer import BACKENDS
-    from nemo_moe_export.tiny_models import FAMILIES
-
     _choice("model.backend", model.backend, BACKENDS, "unknown model backend")
     _choice("model.family", model.family, FAMILIES, "unknown model family")
     model_dtype(model)
@@ -239,8 +239,6 @@ def _check_data(cfg: Any, stages: list[str]) -> None:
     if cfg.mmlu.data_path is None:
         _check_synthetic_data(cfg, stages, evaluates)
         return
-    from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
-
     splits = ["dev"] + (["train"] if "train" in stages else []) + ([cfg.mmlu.split] if evaluates else [])
     try:
         questions = load_mmlu(cfg.mmlu.data_path, splits=splits,
@@ -254,8 +252,6 @@ def _check_data(cfg: Any, stages: list[str]) -> None:
 
 
 def _check_synthetic_data(cfg: Any, stages: list[str], evaluates: bool) -> None:
-    from nemo_moe_export.recipe.data import SUBJECTS
-
     data = cfg.data
     unknown = sorted(set(data.subjects or ()) - set(SUBJECTS))
     if unknown:
@@ -314,8 +310,6 @@ def _not_a_training_checkpoint(path: str) -> str | None:
 
 
 def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as exc:  # a truncated or foreign .metadata file
@@ -329,8 +323,6 @@ def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
 def _model_shapes(model_cfg: Any, stored: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """Shapes of the configured model's state dict, built on the meta device (no memory, no init);
     the vocabulary is the checkpoint's own (its tokenizer's), as the restore builds it."""
-    from nemo_moe_export.recipe.trainer import build_model
-
     embedding = next((shape for key, shape in stored.items() if key.endswith("embed_tokens.weight")), (2,))
     model = build_model(model_cfg, vocab_size=embedding[0], device="meta")
     return {k: tuple(t.shape) for k, t in model.state_dict().items()}

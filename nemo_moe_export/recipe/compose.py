@@ -24,6 +24,9 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from hydra import compose, initialize_config_dir
+
+from nemo_moe_export.config import register_configs, validate_config
 from nemo_moe_export.errors import ExportInputError
 
 __all__ = [
@@ -169,10 +172,6 @@ def hydra_overrides(search_path: list[Path], overrides: list[str] | tuple[str, .
 def load_config(recipe: str = DEFAULT_RECIPE, overrides: list[str] | tuple[str, ...] = (),
                 config_dirs: list[str | os.PathLike] | tuple[str | os.PathLike, ...] = ()) -> Any:
     """Compose a recipe's config exactly as the CLI does (for tests, launchers and notebooks)."""
-    from hydra import compose, initialize_config_dir
-
-    from nemo_moe_export.config import register_configs, validate_config
-
     user_dirs = user_config_dirs(config_dirs)
     recipe_file = find_recipe(recipe, user_dirs)
     register_configs()

@@ -19,9 +19,13 @@ from __future__ import annotations
 import csv
 import os
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 __all__ = ["SUBJECTS", "build_tokenizer", "write_synthetic_mmlu"]
 
@@ -85,8 +89,6 @@ def write_synthetic_mmlu(
 
 
 def _words(text: str) -> list[str]:
-    import re
-
     return re.findall(r"\w+|[^\w\s]+", text)  # the same split as pre_tokenizers.Whitespace
 
 
@@ -96,9 +98,6 @@ def build_tokenizer(root: str | os.PathLike[str], *, extra_text: str = "") -> An
     Built offline with the ``tokenizers`` library; ``" A"`` .. ``" D"`` are single tokens, as the
     MMLU single-token scoring path needs. ``<bos>`` is prepended like Llama/DeepSeek tokenizers do.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
     template = ("The following are multiple choice questions ( with answers ) about "
                 f"{' '.join(s.replace('_', ' ') for s in SUBJECTS)} .\n\nA . B . C . D . Answer : {extra_text}")
     vocab_words = set(_words(template))
@@ -112,8 +111,6 @@ def build_tokenizer(root: str | os.PathLike[str], *, extra_text: str = "") -> An
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    from tokenizers import decoders
-
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
                                    pad_token="<pad>", unk_token="<unk>")

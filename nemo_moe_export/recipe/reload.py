@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--options", required=True, help="the training run's MMLUOptions, as JSON")
     args = parser.parse_args(argv)
 
+    # Imported here, after HF_HUB_OFFLINE is set above: huggingface_hub reads it when first imported.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -41,9 +41,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
 
-from nemo_moe_export.parallel import dist_info
+from nemo_moe_export.evaluate.callback import MMLUCallback
+from nemo_moe_export.evaluate.options import MMLUOptions
+from nemo_moe_export.evaluate.scoring import results_to_markdown
+from nemo_moe_export.export import ExportStep, verify_checkpoint
+from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.hooks import HookList, RecipeContext
+from nemo_moe_export.megatron import MegatronCausalLM
+from nemo_moe_export.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
+from nemo_moe_export.parallel import dist_info, init_distributed, resolve_device
+from nemo_moe_export.plugin import AdapterHook
 from nemo_moe_export.recipe.checks import check_config, check_export_target, export_target
+from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+from nemo_moe_export.recipe.trainer import build_sharded_model, train
 
 __all__ = ["CheckedRecipe", "check_recipe", "run_recipe"]
 
@@ -66,8 +80,6 @@ def check_recipe(cfg: Any, world_size: int | None = None) -> CheckedRecipe:
     """Every check a config can fail before any work, on ``world_size`` ranks (None: one process):
     the config itself (``recipe/checks.py``), then every stage's options and the export target, by
     building the stages' hooks."""
-    from nemo_moe_export.evaluate.options import MMLUOptions
-
     stages = check_config(cfg, world_size)
     run_dir = os.path.abspath(cfg.run_dir)
     mmlu_options = MMLUOptions.of(cfg.mmlu)
@@ -85,10 +97,6 @@ def _world_size() -> int | None:
 def _stage_hooks(cfg: Any, run_dir: str, stages: list[str], mmlu_options: Any) -> tuple[Any, Any]:
     """The MMLU callback (None when ``mmlu.enabled`` is false) and the export step (None without
     the export stage), built from their options: every option is validated here, before work."""
-    from nemo_moe_export.evaluate.callback import MMLUCallback
-    from nemo_moe_export.export import ExportStep
-    from nemo_moe_export.export.options import ExportOptions
-
     export_options = ExportOptions.of(cfg.export)
     mmlu = (MMLUCallback(_data_root(cfg, run_dir), mmlu_options, output_dir=os.path.join(run_dir, "mmlu"))
             if cfg.mmlu.enabled else None)
@@ -121,8 +129,6 @@ def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
 
 
 def _to_plain(cfg: Any) -> Any:
-    from omegaconf import OmegaConf
-
     if is_dataclass(cfg):
         return asdict(cfg)
     return OmegaConf.to_container(cfg, resolve=True)
@@ -137,8 +143,6 @@ def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | No
     (the GPU benchmark measures the trained model there); what it puts in ``ctx.results`` is saved
     with the rest.
     """
-    from nemo_moe_export.parallel import init_distributed, resolve_device
-
     checked = recipe if isinstance(recipe, CheckedRecipe) else check_recipe(recipe, _world_size())
     cfg, stages, run_dir = checked.cfg, checked.stages, checked.run_dir
     mmlu_callback, export_step = checked.mmlu, checked.export
@@ -177,8 +181,6 @@ def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | No
 
 
 def _train_stage(checked: CheckedRecipe, ctx: Any, hooks: Any, log: Any) -> None:
-    from nemo_moe_export.recipe.trainer import train
-
     cfg = checked.cfg
     state = train(ctx.model, ctx.layout, ctx.tokenizer, ctx.data_root, cfg.trainer,
                   k_shot=checked.mmlu_options.k_shot, hooks=hooks, ctx=ctx, log=log.info)
@@ -202,10 +204,6 @@ def _export_stage(ctx: Any, export_step: Any, log: Any) -> None:
 
 
 def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callback: Any) -> tuple[Any, Any]:
-    from nemo_moe_export.hooks import AdapterHook, HookList, RecipeContext
-    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
-    from nemo_moe_export.recipe.trainer import build_sharded_model
-
     data_root = _data_root(cfg, run_dir)
     if cfg.mmlu.data_path is None and info.rank == 0:
         write_synthetic_mmlu(data_root, seed=cfg.data.seed, n_train=cfg.data.n_train, n_dev=cfg.data.n_dev,
@@ -214,8 +212,6 @@ def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callba
         dist.barrier()
     from_checkpoint = cfg.export.from_checkpoint
     if from_checkpoint:
-        from transformers import AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(from_checkpoint, "tokenizer"))
     else:
         tokenizer = build_tokenizer(data_root)
@@ -233,15 +229,9 @@ def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callba
 def _load_checkpoint(model: Any, path: str) -> None:
     """Restore what :func:`_save_checkpoint` wrote: torch DCP, or megatron-core's own
     ``dist_checkpointing`` for a megatron-core model (docs/design.md#megatron-core-models)."""
-    from nemo_moe_export.megatron import MegatronCausalLM
-
     if isinstance(model, MegatronCausalLM):
-        from nemo_moe_export.megatron.checkpoint import load_training_checkpoint
-
         load_training_checkpoint(model, path)
         return
-    import torch.distributed.checkpoint as dcp
-
     dcp.load(model.state_dict(), checkpoint_id=path)
 
 
@@ -249,15 +239,9 @@ def _save_checkpoint(ctx: Any, path: str) -> None:
     """A sharded checkpoint of the model plus the tokenizer: what ``from_checkpoint`` reads (torch
     DCP; megatron-core's ``dist_checkpointing`` for a megatron-core model, whose export view must
     never go to DCP: one local expert name is a different expert on each EP rank)."""
-    from nemo_moe_export.megatron import MegatronCausalLM
-
     if isinstance(ctx.model, MegatronCausalLM):
-        from nemo_moe_export.megatron.checkpoint import save_training_checkpoint
-
         save_training_checkpoint(ctx.model, path)
     else:
-        import torch.distributed.checkpoint as dcp
-
         dcp.save(ctx.model.state_dict(), checkpoint_id=path)
     if dist_info().rank == 0:
         ctx.tokenizer.save_pretrained(os.path.join(path, "tokenizer"))
@@ -268,8 +252,6 @@ def _save_checkpoint(ctx: Any, path: str) -> None:
 def _verify(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
     """Bytes-level verify, then a fresh single process reloads with transformers and re-evaluates
     with the same MMLU options, handed over whole (``recipe/reload.py``)."""
-    from nemo_moe_export.export import verify_checkpoint
-
     path = export_target(checked.cfg, checked.run_dir)
     outcome: dict[str, Any] = {"path": path}
     if info.rank == 0:
@@ -314,8 +296,6 @@ def _summary(results: dict[str, Any], run_dir: str) -> str:
                      f"({t['seconds']} s)")
     mmlu = results.get("mmlu")
     if mmlu:
-        from nemo_moe_export.evaluate.scoring import results_to_markdown
-
         lines.append(f"  mmlu   : overall acc {mmlu['overall']['acc']:.3f} ({mmlu['overall'].get('n', '?')} "
                      "held-out questions)")
         lines.append(results_to_markdown(mmlu))

@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 from nemo_moe_export.errors import ExportInputError, Stopped
 
 __all__ = ["STOP_CLEANUP_S", "STOP_GRACE_S", "STOP_SIGNALS", "check_local_resources", "run_torchrun",
@@ -58,8 +60,6 @@ def check_local_resources(nproc: int, device: str) -> None:
     """Refuse more ranks than GPUs with ``parallel.device=cuda``; warn when ``nproc`` CPU ranks
     outnumber the visible cores (they would share cores and memory, each holding the full model
     until it is sharded)."""
-    import torch
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and gpus < nproc:

@@ -24,21 +24,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from nemo_moe_export.config import ModelConfig, ParallelConfig, TrainerConfig, architecture, model_dtype
+from nemo_moe_export.config import BACKENDS, ModelConfig, ParallelConfig, TrainerConfig
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.evaluate.callback import LOSS_HISTORY_KEY
+from nemo_moe_export.evaluate.data import load_mmlu
+from nemo_moe_export.evaluate.prompts import build_prompt, select_fewshot
 from nemo_moe_export.evaluate.runner import wants_uniform_shapes
+from nemo_moe_export.expert_parallel import apply_expert_parallel
 from nemo_moe_export.hooks import Hook, RecipeContext
-from nemo_moe_export.parallel import ParallelLayout, dist_info
+from nemo_moe_export.megatron.recipe import build_recipe_model
+from nemo_moe_export.parallel import ParallelLayout, discover_layout, dist_info, init_expert_parallel
 from nemo_moe_export.progress import Progress
 from nemo_moe_export.recipe.checks import check_strategy
+from nemo_moe_export.recipe.pipelined import shard_pipelined
+from nemo_moe_export.tiny_models import build_model
 
 __all__ = ["TrainState", "build_model", "build_sharded_model", "shard_model", "train"]
-
-BACKENDS = ("transformers", "megatron_core")
-
 
 @dataclass
 class TrainState:
@@ -46,25 +51,6 @@ class TrainState:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def build_model(cfg: ModelConfig, vocab_size: int, *, pad_token_id: int | None = None,
-                device: str = "cpu") -> Any:
-    """The unsharded model, identical on every rank (same seed), built and initialised on ``device``.
-
-    On GPUs the full model is created on each rank's GPU and sharded right after (``shard_model``
-    frees what the rank does not keep): the initialisation runs at GPU speed and every rank draws
-    the same numbers from the same seed.
-    """
-    from nemo_moe_export.tiny_models import tiny_model
-
-    dtype = model_dtype(cfg)
-    family = architecture(cfg.family)
-    extra = {"pad_token_id": pad_token_id, "bos_token_id": 1, "eos_token_id": 2} if family == "kimi_linear" else {}
-    with torch.device(device):
-        return tiny_model(family, n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
-                          moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
-                          vocab_size=vocab_size, seed=cfg.seed, dtype=dtype, **extra)
 
 
 def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, vocab_size: int,
@@ -76,14 +62,10 @@ def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
         raise ExportInputError("unknown model backend", key="model.backend", expected=BACKENDS,
                                actual=repr(model_cfg.backend))
     if model_cfg.backend == "megatron_core":
-        from nemo_moe_export.megatron.recipe import build_recipe_model
-
         return build_recipe_model(model_cfg, parallel_cfg, vocab_size=vocab_size, device=device)
     model = build_model(model_cfg, vocab_size=vocab_size, pad_token_id=pad_token_id, device=device)
     info = dist_info()
     if parallel_cfg.pp_size > 1 and info.initialized:
-        from nemo_moe_export.recipe.pipelined import shard_pipelined  # torch.distributed.pipelining: only for PP
-
         return shard_pipelined(model, parallel_cfg, info.world_size, device=device,
                                shard_other_dtypes=_shard_other_dtype_modules)
     return shard_model(model, parallel_cfg, device=device)
@@ -91,11 +73,6 @@ def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
 
 def shard_model(model: Any, cfg: ParallelConfig, *, device: str = "cpu") -> tuple[Any, ParallelLayout]:
     """Shard ``model`` in place as ``cfg.strategy`` says; returns it with its parallel layout."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from nemo_moe_export.parallel import discover_layout, init_expert_parallel
-
     info = dist_info()
     world = info.world_size
     check_strategy(cfg, world if info.initialized else None)
@@ -112,8 +89,6 @@ def shard_model(model: Any, cfg: ParallelConfig, *, device: str = "cpu") -> tupl
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, discover_layout(mesh)
-
-    from nemo_moe_export.expert_parallel import apply_expert_parallel
 
     layout = init_expert_parallel(cfg.ep_size, timeout_s=cfg.timeout_s)
     apply_expert_parallel(model, layout)
@@ -133,8 +108,6 @@ def _shard_other_dtype_modules(model: Any, mesh: Any, ignored_params: set | None
     transformers keeps some weights in float32 in a bf16 model (DeepSeek-V3's router
     ``mlp.gate.weight``, ``_keep_in_fp32_modules_strict``), and FSDP2 flattens one dtype per unit.
     """
-    from torch.distributed.fsdp import fully_shard
-
     dtype = model.dtype
     for module in list(model.modules()):
         own = [p for p in module.parameters(recurse=False) if not ignored_params or p not in ignored_params]
@@ -218,9 +191,6 @@ def _forward_backward(model: Any, ids: torch.Tensor, mask: torch.Tensor, labels:
 
 def _training_examples(data_root: str, tokenizer: Any, k_shot: int) -> list[list[int]]:
     """Token ids of every training question, formatted as the MMLU evaluation formats it."""
-    from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.evaluate.prompts import build_prompt, select_fewshot
-
     dev = load_mmlu(data_root, splits=("dev",))
     train = load_mmlu(data_root, splits=("train",))
     by_subject: dict[str, list] = {}
