@@ -25,7 +25,7 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMON = ["--dtype", "bfloat16", "--node-bandwidth", "5GB", "--ranks-per-node", "8", "--json"]
-EP64 = ["--layout", "ep", "--ep", "64"]
+EP64 = ["--strategy", "ep", "--ep", "64"]
 # The reference's meshes (AutoModel's Kimi K2 recipe, PP8 x EP32 on 256, scaled to 1,024 by its FSDP axis).
 ROWS = {
     "deepseek_v3 EP64 256": ("deepseek_v3", 256, EP64),
@@ -33,17 +33,17 @@ ROWS = {
     "kimi_k2 EP64 256": ("kimi_k2", 256, EP64),
     "kimi_k2 EP64 1024": ("kimi_k2", 1024, EP64),
     "deepseek_v3 automodel PP4x2 virtual x EP64 x ep_shard 4, 1024": (
-        "deepseek_v3", 1024, ["--layout", "ep_fsdp", "--ep", "64", "--pp", "4", "--stages-per-rank", "2"]),
+        "deepseek_v3", 1024, ["--strategy", "ep_fsdp", "--ep", "64", "--pp", "4", "--stages-per-rank", "2"]),
     "kimi_k2 automodel PP8x2 virtual x EP32 x ep_shard 4, 1024": (
-        "kimi_k2", 1024, ["--layout", "ep_fsdp", "--ep", "32", "--pp", "8", "--stages-per-rank", "2"]),
+        "kimi_k2", 1024, ["--strategy", "ep_fsdp", "--ep", "32", "--pp", "8", "--stages-per-rank", "2"]),
     "deepseek_v3 megatron-bridge TP2+SP x PP16 x EP64 (DP32), 1024": (
-        "deepseek_v3", 1024, ["--layout", "ep", "--ep", "64", "--tp", "2", "--sp", "--pp", "16"]),
+        "deepseek_v3", 1024, ["--strategy", "ep", "--ep", "64", "--tp", "2", "--sp", "--pp", "16"]),
     "kimi_k2 megatron-bridge TP2+SP x PP16 x EP32 (DP32), 1024": (
-        "kimi_k2", 1024, ["--layout", "ep", "--ep", "32", "--tp", "2", "--sp", "--pp", "16"]),
+        "kimi_k2", 1024, ["--strategy", "ep", "--ep", "32", "--tp", "2", "--sp", "--pp", "16"]),
     "kimi_k2 megatron-bridge TP2+SP x PP16 x EP32 (DP16), 512": (
-        "kimi_k2", 512, ["--layout", "ep", "--ep", "32", "--tp", "2", "--sp", "--pp", "16"]),
+        "kimi_k2", 512, ["--strategy", "ep", "--ep", "32", "--tp", "2", "--sp", "--pp", "16"]),
     "qwen3_235b megatron-bridge TP4+SP x PP16 x EP8 x CP2 (DP2), 256": (
-        "qwen3_235b", 256, ["--layout", "ep", "--ep", "8", "--tp", "4", "--sp", "--pp", "16", "--cp", "2"]),
+        "qwen3_235b", 256, ["--strategy", "ep", "--ep", "8", "--tp", "4", "--sp", "--pp", "16", "--cp", "2"]),
 }
 PARTS = ("coordinator_setup_s", "agreements_s", "coverage_s", "replica_check_s", "row_exchange_s", "object_gathers_s",
          "agreement_polling_s", "declared_check_s")

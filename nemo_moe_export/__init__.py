@@ -12,7 +12,7 @@ from typing import Any
 
 from nemo_moe_export.adapters import get_adapter, supported_model_types
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.layout import (
+from nemo_moe_export.placement import (
     get_ep_expert_range,
     get_sharded_expert_range,
     local_box,

@@ -3,7 +3,7 @@
     nemo-moe-export [recipe=NAME] [hydra overrides...] [--nproc N] [--config-dir DIR]... [--debug]   run a recipe
     nemo-moe-export verify DIR [--reference REF] [--tp 1,2,4,8]      check an HF checkpoint (--tp: servable)
     nemo-moe-export plan (--config CONFIG.json | --model-preset NAME | --recipe NAME [overrides...])
-                    --world W [--layout fsdp|hsdp|ep|ep_fsdp] [--replicate R] [--ep E] [--pp P]
+                    --world W [--strategy fsdp|hsdp|ep|ep_fsdp] [--replicate R] [--ep E] [--pp P]
                     [--stages-per-rank V] [--layers-per-stage 4,4,3,...] [--json] ...
                                                                      what every rank will write, and how long
     nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
@@ -52,6 +52,7 @@ from nemo_moe_export.export.options import ExportOptions, parse_size
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.planner import TimeModel, format_table, plan_job
 from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
+from nemo_moe_export.recipe.checks import STRATEGIES
 # Config composition lives a layer down (recipe/compose.py), shared with the NeMo-Run launcher, so
 # neither imports the other.
 from nemo_moe_export.recipe.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
@@ -208,7 +209,8 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe (with --recipe)")
     parser.add_argument("--config-dir", action="append", default=[], help="recipe folders ahead of the packaged ones")
     parser.add_argument("--world", type=_positive_int, required=True, help="number of ranks")
-    parser.add_argument("--layout", choices=("fsdp", "hsdp", "ep", "ep_fsdp"), help="default: the recipe's, else fsdp")
+    parser.add_argument("--strategy", choices=STRATEGIES,
+                        help="parallel.strategy: default the recipe's, else fsdp")
     parser.add_argument("--replicate", type=_positive_int, help="HSDP replicas (R of R x W/R)")
     parser.add_argument("--ep", type=_positive_int, help="expert-parallel size (EP x expert-DP)")
     parser.add_argument("--pp", type=_positive_int, help="pipeline-parallel size: W = PP x the ranks of a stage, "
@@ -254,7 +256,7 @@ def _plan_report(args: Any) -> dict:
     else:
         target = (from_config_file if args.config else from_preset)(args.config or args.model_preset,
                                                                      ParallelConfig(), ExportOptions())
-    parallel = replace(target.parallel, strategy=args.layout or target.parallel.strategy)
+    parallel = replace(target.parallel, strategy=args.strategy or target.parallel.strategy)
     if args.replicate:
         parallel = replace(parallel, replicate=args.replicate)
     if args.ep:

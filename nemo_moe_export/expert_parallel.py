@@ -3,7 +3,7 @@
 :func:`apply_expert_parallel` swaps every fused experts module (``DeepseekV3Experts``,
 ``Qwen3MoeExperts``, ``KimiLinearExperts``: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
 for an :class:`ExpertParallelExperts` that keeps only this EP rank's ``E / ep`` contiguous experts
-(Megatron / NeMo AutoModel ownership, :func:`nemo_moe_export.layout.get_ep_expert_range`) and sends
+(Megatron / NeMo AutoModel ownership, :func:`nemo_moe_export.placement.get_ep_expert_range`) and sends
 each token to the ranks that own its experts with an all-to-all. The router, shared experts and
 every other module stay as they are; only the experts computation is distributed, so the MoE block
 that calls ``self.experts(hidden, top_k_index, top_k_weights)`` does not change.
@@ -35,7 +35,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExper
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.layout import get_ep_expert_range
+from nemo_moe_export.placement import get_ep_expert_range
 from nemo_moe_export.parallel import ParallelLayout
 
 __all__ = ["ExpertParallelExperts", "apply_expert_parallel", "experts_modules", "expert_mesh"]

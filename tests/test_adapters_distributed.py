@@ -90,7 +90,7 @@ def _cases_worker(rank, world, cases, workdir):
     from torch.distributed.tensor import DTensor
 
     from nemo_moe_export.adapters import get_adapter
-    from nemo_moe_export.layout import local_box
+    from nemo_moe_export.placement import local_box
 
     results = {}
     for case in cases:

@@ -362,7 +362,7 @@ def test_stalled_ep_peer_is_an_error_not_a_hang(tmp_path):
 
 def test_ep_size_must_divide_the_expert_count():
     from nemo_moe_export.errors import ExportInputError
-    from nemo_moe_export.layout import get_ep_expert_range
+    from nemo_moe_export.placement import get_ep_expert_range
     from nemo_moe_export.parallel import expert_parallel_groups
 
     with pytest.raises(ExportInputError, match="divide"):

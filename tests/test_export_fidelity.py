@@ -111,7 +111,7 @@ def _perturbed_exports(rank, world, model, mesh, workdir):
 
 
 def _offsets(tensor):
-    from nemo_moe_export.layout import local_box
+    from nemo_moe_export.placement import local_box
 
     return local_box(tensor).offsets
 

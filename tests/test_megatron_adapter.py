@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_reference import hf_tensors
-from nemo_moe_export.adapters import InMemoryLayout, LocalExperts, get_adapter
+from nemo_moe_export.adapters import InMemoryFormat, LocalExperts, get_adapter
 from nemo_moe_export.errors import ExportInputError
 
 H, VOCAB, DENSE_FFN, FFN = 16, 20, 24, 6
@@ -90,7 +90,7 @@ def hf_config(family: str, n_experts: int, by_ep_rank=None, ep_rank: int = 0):
         config = MegatronQwen3MoeConfig(**QWEN3, num_experts=n_experts)
     n_local = n_experts // EP
     by_ep_rank = by_ep_rank or tuple(tuple(range(r * n_local, (r + 1) * n_local)) for r in range(EP))
-    config.in_memory_layout = InMemoryLayout("megatron_core", {"decoder.layers.1.mlp": LocalExperts(by_ep_rank, ep_rank)})
+    config.in_memory_format = InMemoryFormat("megatron_core", {"decoder.layers.1.mlp": LocalExperts(by_ep_rank, ep_rank)})
     return config
 
 
@@ -169,7 +169,7 @@ def test_bad_megatron_inputs_are_refused_before_anything_is_read(case, pattern):
     if case == "overlapping_ids":
         config = hf_config("deepseek_v3", 6, by_ep_rank=((0, 1, 2), (0, 1, 2)))
     elif case == "no_local_experts":
-        config.in_memory_layout = InMemoryLayout("megatron_core", {})
+        config.in_memory_format = InMemoryFormat("megatron_core", {})
     elif case == "unknown_key":
         state["decoder.layers.0.self_attention.linear_qkv.bias"] = torch.zeros(3)
     elif case == "wrong_weight1":
@@ -189,7 +189,7 @@ def test_config_json_is_the_stock_class_and_the_adapter_uses_the_megatron_table(
     assert get_adapter(Qwen3MoeConfig(**QWEN3, num_experts=6)).table.model_types == ("qwen3_moe",)
     config.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
-    assert "in_memory_layout" not in written and written["model_type"] == "qwen3_moe"
+    assert "in_memory_format" not in written and written["model_type"] == "qwen3_moe"
     assert type(AutoConfig.from_pretrained(tmp_path)) is Qwen3MoeConfig
 
 

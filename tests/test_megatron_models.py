@@ -92,7 +92,7 @@ def _raw_state(model) -> dict:
 
     state = {k: v.detach().clone() for k, v in model.gpt.state_dict().items() if isinstance(v, torch.Tensor)}
     return {"state": state, "ep_rank": ps.get_expert_model_parallel_rank(),
-            "n_local": len(next(iter(model.config.in_memory_layout.local_experts.values())).mine)}
+            "n_local": len(next(iter(model.config.in_memory_format.local_experts.values())).mine)}
 
 
 def _reloads_exactly(model, path: str, family: str, vocab_size: int) -> dict:

@@ -417,13 +417,13 @@ def test_context_parallelism_is_refused_by_name(runs):
 
 
 def _qwen3_adapter(vocab: int):
-    from nemo_moe_export.adapters import InMemoryLayout, get_adapter
+    from nemo_moe_export.adapters import InMemoryFormat, get_adapter
     from nemo_moe_export.adapters.tables_megatron import NAMING
     from nemo_moe_export.megatron.hf_config import MegatronQwen3MoeConfig
 
     config = MegatronQwen3MoeConfig(vocab_size=vocab, hidden_size=16, intermediate_size=24, num_experts=4,
                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    config.in_memory_layout = InMemoryLayout(NAMING)
+    config.in_memory_format = InMemoryFormat(NAMING)
     return get_adapter(config)
 
 

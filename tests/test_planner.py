@@ -417,16 +417,16 @@ def _planned_kinds(sim, rank):
 def test_cli_json_table_and_one_line_errors(tmp_path, capsys):
     from nemo_moe_export.cli import main
 
-    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--layout", "hsdp", "--replicate",
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--strategy", "hsdp", "--replicate",
                  "2", "--json", "--per-rank", "--node-bandwidth", "1GB", "--ranks-per-node", "4"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["checks"]["every_element_one_writer"] and report["checks"]["plan_digest_identical"]
     assert sum(r["bytes"] for r in report["ranks"]) == report["checkpoint"]["bytes"]
     assert report["time"]["write_s"] == pytest.approx(report["checkpoint"]["bytes"] / 1e9, rel=1e-3)
-    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "8", "--layout", "ep", "--ep", "2"]) == 0
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "8", "--strategy", "ep", "--ep", "2"]) == 0
     table = capsys.readouterr().out
     assert "bytes to write" in table and "predicted export time" in table and "plan digest identical" in table
-    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "8", "--layout", "ep", "--ep", "4"]) == 2
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "8", "--strategy", "ep", "--ep", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("nemo-moe-export: error:") and "n_experts % ep_size == 0" in err[0]
     assert main(["plan", "--model-preset", "no_such_model", "--world", "8"]) == 2
@@ -442,7 +442,7 @@ def test_cli_plans_mmlu_steps_and_rows_per_rank_per_policy(tmp_path, capsys):
 
     data = write_synthetic_mmlu(tmp_path / "mmlu", n_train=20, n_test=6, subjects=["modular_arithmetic", "comparison", "parity"])
     build_tokenizer(data).save_pretrained(tmp_path / "tok")
-    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--layout", "ep", "--ep", "2",
+    assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--strategy", "ep", "--ep", "2",
                  "--mmlu", str(data), "--tokenizer", str(tmp_path / "tok"), "--json"]) == 0
     mmlu = json.loads(capsys.readouterr().out)["mmlu"]
     assert mmlu["questions"] == 18 and mmlu["rows"] == 18 and mmlu["shared_prefixes"] == 3
@@ -469,7 +469,7 @@ def test_cli_plans_tp_cp_and_sp_meshes(capsys):
     from nemo_moe_export.errors import ExportInputError
     from nemo_moe_export.recipe.checks import check_parallel
 
-    base = ["plan", "--model-preset", "deepseek_v3_tiny", "--world", "16", "--layout", "ep", "--ep", "2", "--tp", "2",
+    base = ["plan", "--model-preset", "deepseek_v3_tiny", "--world", "16", "--strategy", "ep", "--ep", "2", "--tp", "2",
             "--cp", "2", "--pp", "2", "--json", "--per-rank"]
     reports = []
     for extra in (["--sp"], []):

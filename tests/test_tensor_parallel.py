@@ -161,7 +161,7 @@ def _tp_case(family: str, out_dir: str, tok, test, dev) -> dict:
 def _cp_case(out_dir: str, tok, test, dev) -> dict:
     from nemo_moe_export.parallel import discover_layout
 
-    from nemo_moe_export.layout import unsplit_model_parallel_dims
+    from nemo_moe_export.placement import unsplit_model_parallel_dims
 
     model, mesh = _sharded("deepseek_v3", ("dp", "cp"))
     model.eval()

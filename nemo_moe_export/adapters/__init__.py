@@ -5,7 +5,7 @@ its records: ``BaseStateDictAdapter``, ``HFShard``, ``LoadReport``, ``TensorMeta
 (checkpoint readers) <- ``fp8.py`` (the FP8 block reader) <- ``passthrough.py`` (checkpoint tensors
 the model has no parameter for) <- ``engine.py`` <- ``tables.py`` (transformers / NeMo AutoModel
 names) and ``tables_megatron.py`` (megatron-core names; picked when the config carries an
-``in_memory_layout``, as the configs of ``nemo_moe_export.megatron`` do).
+``in_memory_format``, as the configs of ``nemo_moe_export.megatron`` do).
 
 >>> adapter = get_adapter(model.config)          # picked by config.model_type
 >>> shards = adapter.to_hf(model.state_dict())   # {hf_key: HFShard}, views of this rank's shards
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from nemo_moe_export.adapters.engine import (
-    InMemoryLayout,
+    InMemoryFormat,
     KeyRule,
     LocalExperts,
     ModelTable,
@@ -35,7 +35,7 @@ from nemo_moe_export.errors import ExportInputError
 __all__ = [
     "BaseStateDictAdapter",
     "HFShard",
-    "InMemoryLayout",
+    "InMemoryFormat",
     "KeyRule",
     "LoadReport",
     "LocalExperts",
@@ -75,13 +75,13 @@ def get_table(model_type: str) -> ModelTable:
 def get_adapter(config: Any, model_type: str | None = None) -> StateDictAdapter:
     """The adapter for a model's HF config (a ``PretrainedConfig`` or a dict).
 
-    A config with an ``in_memory_layout`` (:class:`InMemoryLayout`, set by
+    A config with an ``in_memory_format`` (:class:`InMemoryFormat`, set by
     ``nemo_moe_export.megatron`` and never written to ``config.json``) names state dicts in another
     framework's names: the table ``"{naming}:{model_type}"`` is used, with the model's local experts.
     """
     if model_type is None:
         model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    layout = getattr(config, "in_memory_layout", None)
-    if layout is None:
+    in_memory = getattr(config, "in_memory_format", None)
+    if in_memory is None:
         return StateDictAdapter(config, get_table(model_type))
-    return StateDictAdapter(config, get_table(f"{layout.naming}:{model_type}"), local_experts=layout.local_experts)
+    return StateDictAdapter(config, get_table(f"{in_memory.naming}:{model_type}"), local_experts=in_memory.local_experts)

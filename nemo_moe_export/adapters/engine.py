@@ -5,7 +5,7 @@ Everything model-specific lives in a :class:`ModelTable` (see ``tables.py``): an
 split into equal parts along one dim, split per expert along dim 0, and/or transposed. Keys no rule
 matches keep their name (transformers 5 saves most keys as they are in memory).
 
-The engine works on *boxes*: the part of a global tensor a rank holds (``layout.local_box``). A
+The engine works on *boxes*: the part of a global tensor a rank holds (``placement.local_box``). A
 rule maps an in-memory box to at most one box per HF tensor, and the local tensor of that HF box is
 a view of the rank's shard. The same mapping serves both directions:
 
@@ -41,9 +41,9 @@ from nemo_moe_export.adapters.passthrough import group_place, read_passthrough, 
 from nemo_moe_export.adapters.protocol import BaseStateDictAdapter, HFShard, LoadReport, TensorMeta
 from nemo_moe_export.adapters.sources import TensorDictSource
 from nemo_moe_export.errors import ExportInputError, current_rank
-from nemo_moe_export.layout import LocalBox, local_box
+from nemo_moe_export.placement import LocalBox, local_box
 
-__all__ = ["InMemoryLayout", "KeyRule", "LocalExperts", "ModelTable", "StateDictAdapter", "expert_rules",
+__all__ = ["InMemoryFormat", "KeyRule", "LocalExperts", "ModelTable", "StateDictAdapter", "expert_rules",
            "model_parts", "state_dict_of"]
 
 
@@ -170,10 +170,10 @@ class LocalExperts:
 
 
 @dataclass(frozen=True)
-class InMemoryLayout:
+class InMemoryFormat:
     """How a framework's in-memory state dict differs from transformers': the table namespace its
     keys are named in (``get_adapter`` looks up ``"{naming}:{model_type}"``) and the local experts
-    of each MoE module. A config carries it as ``in_memory_layout`` (``nemo_moe_export.megatron``)."""
+    of each MoE module. A config carries it as ``in_memory_format`` (``nemo_moe_export.megatron``)."""
 
     naming: str
     local_experts: Mapping[str, LocalExperts] = field(default_factory=dict)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from nemo_moe_export.adapters.protocol import HFShard, TensorMeta
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.layout import get_sharded_expert_range, local_box
+from nemo_moe_export.placement import get_sharded_expert_range, local_box
 
 __all__ = ["extra_metadata", "extra_pieces", "group_place", "read_passthrough", "split_extra_keys"]
 

@@ -46,7 +46,7 @@ class HFShard:
     the in-memory layout is transposed relative to HF). It covers ``offsets[d] : offsets[d] +
     tensor.shape[d]`` of a tensor of ``global_shape``. ``primary`` is True on exactly one of the
     ranks holding this same part, so writing only primaries writes each byte once. ``replica`` /
-    ``replicas`` number the ranks holding this same part (``layout.LocalBox``; primary is holder 0),
+    ``replicas`` number the ranks holding this same part (``placement.LocalBox``; primary is holder 0),
     so the export can let every holder write a share of it (docs/design.md#replica-agreement).
     """
 

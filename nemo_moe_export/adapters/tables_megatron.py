@@ -38,7 +38,7 @@ from nemo_moe_export.adapters.tables import DEEPSEEK_V3, QWEN3_MOE
 __all__ = ["GLU_PARTS", "MEGATRON_DEEPSEEK_V3", "MEGATRON_QWEN3_MOE", "MEGATRON_TABLES", "NAMING"]
 
 NAMING = "megatron_core"
-"""The ``InMemoryLayout.naming`` of megatron-core state dicts; tables are ``"megatron_core:{model_type}"``."""
+"""The ``InMemoryFormat.naming`` of megatron-core state dicts; tables are ``"megatron_core:{model_type}"``."""
 
 _LAYER = r"(?P<prefix>decoder\.layers\.(?P<layer>\d+))"
 _MTP = r"mtp\.layers\.(?P<layer>\d+)"

@@ -23,7 +23,7 @@ import torch
 
 from nemo_moe_export.adapters import HFShard, TensorMeta
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.layout import get_sharded_expert_range
+from nemo_moe_export.placement import get_sharded_expert_range
 from nemo_moe_export.export.options import ExportOptions, parse_dtype, parse_size
 from nemo_moe_export.safetensors_format import (EXPORT_ID_KEY, TensorEntry, dtype_name, encode_header, encode_index,
                                                 replace_header_metadata)

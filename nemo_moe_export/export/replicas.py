@@ -7,7 +7,7 @@ update is the known case); an export that writes one holder's copy then says not
 1. :func:`replica_sets` finds, for every tensor this rank holds, its replica groups: one per
    ``Replicate`` mesh dim of a DTensor (``mesh.get_group(dim)``: HSDP replicas, expert-DP replicas
    under EP), one per TP / CP dim of its root mesh it does not span (the weights TP leaves whole,
-   CP copies: ``layout.unsplit_model_parallel_dims``), and the export group for a plain tensor
+   CP copies: ``placement.unsplit_model_parallel_dims``), and the export group for a plain tensor
    (FSDP2 buffers such as ``e_score_correction_bias``, the dense part under EP). Pure apart from
    reading the groups' ranks.
 2. :func:`compare_replicas` runs, per group and in one global order (sorted by the group's ranks,
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.layout import unsplit_model_parallel_dims
+from nemo_moe_export.placement import unsplit_model_parallel_dims
 from nemo_moe_export.parallel import Coordinator
 
 __all__ = ["ReplicaReport", "ReplicaSet", "checksum", "compare_replicas", "replica_sets", "settle_findings",
@@ -104,7 +104,7 @@ def _groups_of(tensor: torch.Tensor, coordinator: Coordinator, export_ranks: tup
         if isinstance(placement, Replicate) and mesh.size(dim) > 1:
             group = mesh.get_group(dim)
             yield tuple(dist.get_process_group_ranks(group)), group, False
-    for root, dim in unsplit_model_parallel_dims(mesh):  # TP / CP copies (layout.local_box numbers them too)
+    for root, dim in unsplit_model_parallel_dims(mesh):  # TP / CP copies (placement.local_box numbers them too)
         group = root.get_group(dim)
         yield tuple(dist.get_process_group_ranks(group)), group, False
 

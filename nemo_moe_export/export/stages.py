@@ -44,7 +44,7 @@ from nemo_moe_export.collectives import gloo_group
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.replicas import checksum
 from nemo_moe_export.export.verify import MTP_MODULES
-from nemo_moe_export.layout import local_box
+from nemo_moe_export.placement import local_box
 from nemo_moe_export.parallel import Coordinator, RankGroup
 
 __all__ = ["Catalogue", "catalogue_of", "check_declared", "check_mtp_layers", "check_tied", "merge_catalogues",

@@ -10,8 +10,8 @@ activation, zero-centred norms, a routing function the family does not use) is r
 ``ExportInputError`` naming the megatron field, before anything is evaluated or written.
 
 The config is a subclass of the transformers config class that carries the model's
-:class:`~nemo_moe_export.adapters.InMemoryLayout` (megatron-core names, the EP ranks' local experts)
-as ``in_memory_layout`` for :func:`~nemo_moe_export.adapters.get_adapter`; ``to_dict`` leaves it
+:class:`~nemo_moe_export.adapters.InMemoryFormat` (megatron-core names, the EP ranks' local experts)
+as ``in_memory_format`` for :func:`~nemo_moe_export.adapters.get_adapter`; ``to_dict`` leaves it
 out, so ``config.json`` is exactly the stock class's and loads with ``AutoConfig``.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 
-from nemo_moe_export.adapters import InMemoryLayout
+from nemo_moe_export.adapters import InMemoryFormat
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.megatron.state import moe_layer_ids
 
@@ -32,22 +32,22 @@ __all__ = ["FAMILIES", "MegatronDeepseekV3Config", "MegatronQwen3MoeConfig", "hf
 FAMILIES = ("deepseek_v3", "qwen3_moe")
 
 
-class _CarriesInMemoryLayout:
-    """``in_memory_layout`` is for the adapter on this process only: never serialized."""
+class _CarriesInMemoryFormat:
+    """``in_memory_format`` is for the adapter on this process only: never serialized."""
 
-    in_memory_layout: InMemoryLayout | None = None
+    in_memory_format: InMemoryFormat | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = super().to_dict()  # type: ignore[misc]
-        out.pop("in_memory_layout", None)
+        out.pop("in_memory_format", None)
         return out
 
 
-class MegatronDeepseekV3Config(_CarriesInMemoryLayout, DeepseekV3Config):
+class MegatronDeepseekV3Config(_CarriesInMemoryFormat, DeepseekV3Config):
     """``DeepseekV3Config`` of a megatron-core MLA model (``config.json`` is the stock class's)."""
 
 
-class MegatronQwen3MoeConfig(_CarriesInMemoryLayout, Qwen3MoeConfig):
+class MegatronQwen3MoeConfig(_CarriesInMemoryFormat, Qwen3MoeConfig):
     """``Qwen3MoeConfig`` of a megatron-core GQA MoE model (``config.json`` is the stock class's)."""
 
 
@@ -61,7 +61,7 @@ def infer_family(config: Any) -> str:
     return "deepseek_v3" if getattr(config, "multi_latent_attention", False) else "qwen3_moe"
 
 
-def hf_config_for(gpt_model: Any, family: str, layout: InMemoryLayout, moe_layers: list[int] | None = None,
+def hf_config_for(gpt_model: Any, family: str, layout: InMemoryFormat, moe_layers: list[int] | None = None,
                   *, vocab_size: int | None = None) -> Any:
     """The HF config of ``gpt_model`` as ``family``, carrying ``layout``; refuses what HF cannot
     express. ``moe_layers``: the global numbers of the model's MoE layers (default: this model's,
@@ -78,7 +78,7 @@ def hf_config_for(gpt_model: Any, family: str, layout: InMemoryLayout, moe_layer
     if vocab_size is not None:
         common["vocab_size"] = vocab_size
     config = build(gpt_model, cfg, moe, common)
-    config.in_memory_layout = layout
+    config.in_memory_format = layout
     return config
 
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from transformers.modeling_outputs import CausalLMOutput
 
-from nemo_moe_export.adapters import InMemoryLayout
+from nemo_moe_export.adapters import InMemoryFormat
 from nemo_moe_export.adapters.tables_megatron import NAMING
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.megatron.hf_config import hf_config_for, infer_family, stock_config_class
@@ -93,7 +93,7 @@ class MegatronCausalLM(torch.nn.Module):
         self.family = family or infer_family(gpt_model.config)
         local = gather_local_experts(gpt_model, self.layout)
         moe_layers = _over_stages(moe_layer_ids(gpt_model), self.layout.pp)
-        self.config = hf_config_for(gpt_model, self.family, InMemoryLayout(NAMING, local), moe_layers,
+        self.config = hf_config_for(gpt_model, self.family, InMemoryFormat(NAMING, local), moe_layers,
                                     vocab_size=self.vocab_size)
         self._meshes = ReplicaMeshes(self.layout, next(gpt_model.parameters()).device.type, _etp_group())
         self._copy_fp32_declarations()

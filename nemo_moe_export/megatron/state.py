@@ -49,7 +49,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from nemo_moe_export.adapters import LocalExperts
 from nemo_moe_export.adapters.tables_megatron import GLU_PARTS
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.layout import replica_coordinate
+from nemo_moe_export.placement import replica_coordinate
 from nemo_moe_export.parallel import ParallelLayout, RankGroup
 
 __all__ = ["ReplicaMeshes", "export_view", "gather_local_experts", "global_key", "layer_numbers", "moe_layer_ids",

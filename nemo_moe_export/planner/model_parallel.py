@@ -13,7 +13,7 @@ laid out the way the job lays it out:
   ``tests/test_tensor_parallel.py`` and torchtitan do. Every parameter then says its mesh dim names
   and placements (``(_StridedShard(0), Shard(0))`` on ``("dp", "tp")`` for a column-parallel weight,
   ``(Shard(0), Shard(1))`` for a row-parallel one, ``Shard(0)`` on ``("dp",)`` for a weight TP leaves
-  whole, whose TP and CP peers hold copies: ``layout.unsplit_model_parallel_dims``);
+  whole, whose TP and CP peers hold copies: ``placement.unsplit_model_parallel_dims``);
 * ``ep`` (Megatron-Bridge's meshes: experts over EP, the rest replicated over the data-parallel
   ranks, as megatron's DDP keeps them): the TP placement torch gives a weight on ``"tp"``, with
   ``Replicate()`` on the root's other dims (its DP and CP copies share the writing); weights TP

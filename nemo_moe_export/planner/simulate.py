@@ -57,7 +57,7 @@ from nemo_moe_export.export.target import export_id_of, new_export_id, write_met
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.export.writer import write_headers
 from nemo_moe_export.export.writer import byte_runs
-from nemo_moe_export.layout import get_ep_expert_range
+from nemo_moe_export.placement import get_ep_expert_range
 from nemo_moe_export.parallel import RankGroup, expert_parallel_groups
 from nemo_moe_export.planner.model import MetaModel
 from nemo_moe_export.planner.model_parallel import (ModelParallel, check_model_parallel, model_parallel_of,

@@ -28,7 +28,7 @@ entries are not applied): each TP rank runs every routed expert on the same toke
 expert parallelism) splits them over the data-parallel ranks. So do the router, the norms and
 every other weight TP leaves out: after ``fully_shard`` over ``mesh["dp"]`` they are
 DTensors on the "dp" mesh only, identical on the TP ranks, which the export treats as replicas
-(``layout.unsplit_model_parallel_dims``: checked equal, writing shared).
+(``placement.unsplit_model_parallel_dims``: checked equal, writing shared).
 
 **Heads.** Both attentions view their projections as ``(batch, seq, -1, head_dim)``, so a rank's
 local heads (half of them at TP2) need no change to the module; torchtitan instead rewrites its

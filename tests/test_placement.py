@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.layout import get_ep_expert_range, get_sharded_expert_range
+from nemo_moe_export.placement import get_ep_expert_range, get_sharded_expert_range
 from nemo_moe_export.spawn import spawn
 
 
@@ -43,7 +43,7 @@ def _placements_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from nemo_moe_export.layout import local_box, local_expert_range
+    from nemo_moe_export.placement import local_box, local_expert_range
 
     results = {}
     cases = {
