@@ -197,8 +197,7 @@ def _bandwidth(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a bandwidth such as 2GB (per second), got {text!r}") from None
 
 
-def plan_main(argv: list[str]) -> int:
-    """``nemo-moe-export plan``: the planner (docs/design.md#planner); input errors are one line, status 2."""
+def _plan_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nemo-moe-export plan",
         description="Simulate every rank of an export (and MMLU) on the meta device: bytes, files, memory, time.")
@@ -240,6 +239,12 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--tokenizer", help="tokenizer directory for --mmlu")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--per-rank", action="store_true", help="with --json: every rank's numbers")
+    return parser
+
+
+def plan_main(argv: list[str]) -> int:
+    """``nemo-moe-export plan``: the planner (docs/design.md#planner); input errors are one line, status 2."""
+    parser = _plan_parser()
     args = parser.parse_args(argv)
     if args.overrides and not args.recipe:
         parser.error("overrides apply to --recipe only")

@@ -31,7 +31,7 @@ __all__ = [
 STAGES = ("train", "mmlu", "export", "verify")
 
 # Model families (and HF model types) built with another family's architecture: kimi_k2 is the
-# DeepSeek-V3 architecture, only its adapter lookup name differs (docs/design.md#layout-rules).
+# DeepSeek-V3 architecture, only its adapter lookup name differs (docs/design.md#placement-rules).
 BACKENDS = ("transformers", "megatron_core")  # model.backend: who builds and runs the recipe's model
 ARCHITECTURES = {"kimi_k2": "deepseek_v3"}
 

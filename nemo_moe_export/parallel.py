@@ -437,7 +437,7 @@ class _StoreReports:
 # Expert parallelism (EP) splits the routed experts of every MoE layer over the ranks of an EP
 # group; the ranks that hold the *same* experts form an expert-data-parallel (expert-DP) group.
 # Dense (non-expert) weights are replicated over the whole dense data-parallel (DP) group, which
-# contains the EP groups (Megatron's layout, docs/design.md#layout-rules): on 4 ranks with EP=2 the EP
+# contains the EP groups (Megatron's layout, docs/design.md#placement-rules): on 4 ranks with EP=2 the EP
 # groups are [0, 1], [2, 3], the expert-DP groups [0, 2], [1, 3] and the dense DP group [0..3].
 #
 # Why it matters: an EP forward is a collective over the EP group, so EP peers must run the same

@@ -92,7 +92,7 @@ class LocalBox:
     tensors held by every rank) number
     ``replicas``; this rank is holder ``replica`` of them (``0 <= replica < replicas``, the same
     numbering on every holder). ``primary`` is True on holder 0 only, so a writer that writes only
-    primaries writes every byte once (docs/design.md#layout-rules).
+    primaries writes every byte once (docs/design.md#placement-rules).
     """
 
     global_shape: tuple[int, ...]

@@ -10,7 +10,7 @@ experts see every peer's tokens). The rank computes those peer references itself
 inputs, so no collective under test enters the reference. ``to_hf`` of the EP model, unioned over
 ranks, must equal ``save_pretrained`` of the original, each element written by one primary.
 
-Expected groups are written out here (Megatron's layout, docs/design.md#layout-rules), never read from
+Expected groups are written out here (Megatron's layout, docs/design.md#placement-rules), never read from
 the code under test.
 """
 

@@ -20,7 +20,7 @@ DTensor's box and replica index against the record. A SwiGLU ``linear_fc1`` (a T
 and ``_v``, each a row range of its own HF tensor (docs/design.md#tensor-parallelism-megatron-core).
 
 The layout engine then reads each copy's holders and primary from the placements
-(docs/design.md#layout-rules), like any HSDP replica. The DTensors' local tensors are the
+(docs/design.md#placement-rules), like any HSDP replica. The DTensors' local tensors are the
 parameters' own storage, so ``from_hf`` writes straight into the model.
 
 Under pipeline parallelism a stage's ``state_dict()`` numbers its layers from 0

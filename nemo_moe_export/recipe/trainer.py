@@ -203,6 +203,31 @@ def _training_examples(data_root: str, tokenizer: Any, k_shot: int) -> list[list
     return examples
 
 
+def _padded_batch(batch: list[list[int]], pad: int, width: int | None, device: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Input ids, attention mask and labels of ``batch``, right-padded to ``width`` (None: the
+    longest example); the loss is on the last token only, the answer letter."""
+    width = width or max(len(x) for x in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    for i, x in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+        mask[i, : len(x)] = 1
+        labels[i, len(x) - 1] = x[-1]
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    """The step's loss averaged over every rank, the number each rank logs."""
+    value = loss.detach().clone()
+    info = dist_info()
+    if info.initialized and info.world_size > 1:
+        dist.all_reduce(value)
+        value /= info.world_size
+    return float(value)
+
+
 def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cfg: TrainerConfig, *,
           k_shot: int, hooks: Hook | None = None, ctx: RecipeContext | None = None,
           log: Any = print) -> TrainState:
@@ -215,7 +240,6 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     if hooks is not None and ctx is None:
         raise ExportInputError("hooks need the context they share", key="ctx",
                                expected="a RecipeContext (nemo_moe_export.hooks.make_context)", actual=None)
-    info = dist_info()
     examples = _training_examples(data_root, tokenizer, k_shot)
     if not examples:
         raise ExportInputError("no training questions", key=data_root, expected="train/*_train.csv", actual=0)
@@ -234,32 +258,21 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     model.train()
     for step in range(1, cfg.max_steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
-        width = uniform_width or max(len(x) for x in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        for i, x in enumerate(batch):
-            ids[i, : len(x)] = torch.tensor(x)
-            mask[i, : len(x)] = 1
-            labels[i, len(x) - 1] = x[-1]  # the answer letter
-        ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+        ids, mask, labels = _padded_batch(batch, pad, uniform_width, device)
         optimizer.zero_grad(set_to_none=True)
         loss = _forward_backward(model, ids, mask, labels)
         _sync_unsharded_grads(model, layout)
         state.grad_norms.append(_clip_grad_norm(model, cfg.grad_clip, layout))
         optimizer.step()
         schedule.step()
-        value = loss.detach().clone()
-        if info.initialized and info.world_size > 1:
-            dist.all_reduce(value)
-            value /= info.world_size
-        state.step, state.losses = step, state.losses + [float(value)]
-        progress.update(1, postfix=f"loss={float(value):.3f}")
+        value = _mean_over_ranks(loss)
+        state.step, state.losses = step, state.losses + [value]
+        progress.update(1, postfix=f"loss={value:.3f}")
         if step % cfg.log_every == 0 or step == cfg.max_steps:
-            log(f"step {step}/{cfg.max_steps} loss {float(value):.4f} grad norm {state.grad_norms[-1]:.3f} "
+            log(f"step {step}/{cfg.max_steps} loss {value:.4f} grad norm {state.grad_norms[-1]:.3f} "
                 f"lr {schedule.get_last_lr()[0]:.2e}")
         if hooks is not None:
-            ctx.results.setdefault(LOSS_HISTORY_KEY, []).append([step, float(value)])  # the MMLU charts read it
+            ctx.results.setdefault(LOSS_HISTORY_KEY, []).append([step, value])  # the MMLU charts read it
             hooks.on_step_end(ctx, step)
     progress.close()
     state.seconds = time.perf_counter() - start
