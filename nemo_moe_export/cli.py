@@ -50,11 +50,12 @@ from nemo_moe_export.config import ParallelConfig, register_configs
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.export.options import ExportOptions, parse_size
 from nemo_moe_export.export.verify import verify_checkpoint
+from nemo_moe_export.integrations.nemo_run import launch_main
 from nemo_moe_export.planner import TimeModel, format_table, plan_job
 from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
 from nemo_moe_export.recipe.checks import STRATEGIES
-# Config composition lives a layer down (recipe/compose.py), shared with the NeMo-Run launcher, so
-# neither imports the other.
+# Config composition lives a layer down (recipe/compose.py), shared with the NeMo-Run launcher
+# (integrations/nemo_run.py).
 from nemo_moe_export.recipe.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
                                             split_recipe_args, user_config_dirs)
 from nemo_moe_export.recipe.stages import check_recipe, run_recipe
@@ -286,8 +287,6 @@ def _run(argv: list[str]) -> int:
     if argv and argv[0] == "plan":
         return plan_main(argv[1:])
     if argv and argv[0] == "launch":
-        from nemo_moe_export.integrations.nemo_run import launch_main  # nemo-run: an optional dependency
-
         return launch_main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)

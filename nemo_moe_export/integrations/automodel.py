@@ -40,11 +40,14 @@ from torch import nn
 
 from nemo_moe_export.adapters import StateDictAdapter, get_table
 from nemo_moe_export.errors import ExportInputError, current_rank
+from nemo_moe_export.evaluate.callback import MMLUCallback
+from nemo_moe_export.export import export_hf_checkpoint
 from nemo_moe_export.hooks import make_context
-from nemo_moe_export.plugin import plugin_hooks
 from nemo_moe_export.integrations._install_hint import missing
-from nemo_moe_export.pipeline.model import PipelinedCausalLM, _reshard
+from nemo_moe_export.parallel import RankGroup, discover_layout
+from nemo_moe_export.pipeline.model import PipelinedCausalLM, reshard_stages
 from nemo_moe_export.pipeline.stages import PipelineStageError, StageInfo, kept_positions
+from nemo_moe_export.plugin import plugin_hooks
 
 __all__ = ["AutoModelCausalLM", "AutoModelStateDictAdapter", "AutoPipelineCausalLM", "MoEExportFinetuneRecipe",
            "MoEExportRecipeMixin", "automodel_layout"]
@@ -145,7 +148,7 @@ class AutoPipelineCausalLM(PipelinedCausalLM):
         if keep is not None:
             kwargs[_KEPT] = keep
         with _stage_shapes(pipeline, rows // self.n_microbatches, length), self._hooks:
-            _reshard(self.parts)  # the state a training step leaves, whatever the other pipelines did
+            reshard_stages(self.parts)  # the state a training step leaves, whatever the other pipelines did
             try:
                 return schedule.eval(*args, target=_ignored_targets(pipeline, rows, kept, self.device), **kwargs)
             except Exception as exc:
@@ -155,7 +158,7 @@ class AutoPipelineCausalLM(PipelinedCausalLM):
             finally:
                 for stage in stages:
                     stage.clear_runtime_states()  # eval keeps each microbatch's activations (no backward pops them)
-                _reshard(self.parts)
+                reshard_stages(self.parts)
 
 
 class _StageHooks:
@@ -248,8 +251,6 @@ def automodel_layout(device_mesh: Any, moe_mesh: Any = None) -> Any:
     ranks of one pipeline stage), the pipeline group from ``device_mesh["pp"]``; without it
     everything comes from ``device_mesh`` (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``).
     """
-    from nemo_moe_export.parallel import RankGroup, discover_layout
-
     if moe_mesh is None or "ep" not in (moe_mesh.mesh_dim_names or ()) or moe_mesh["ep"].size() == 1:
         return discover_layout(device_mesh, use_megatron=False)
     layout = discover_layout(moe_mesh, use_megatron=False)
@@ -271,8 +272,6 @@ class MoEExportRecipeMixin:
 
     def moe_export_setup(self, model: Any, *, tokenizer: Any = None, device_mesh: Any = None,
                          layout: Any = None) -> None:
-        from nemo_moe_export.parallel import discover_layout
-
         self._moe_hooks = plugin_hooks(**self.moe_export)
         self._moe_ctx = make_context(model, tokenizer, layout if layout is not None else discover_layout(device_mesh))
         self._moe_hooks.on_setup(self._moe_ctx)
@@ -345,8 +344,6 @@ class PluginState:
             ctx.results["mmlu_during_training"] = list(self.restored["mmlu_during_training"])
 
     def _mmlu_callbacks(self) -> list[Any]:
-        from nemo_moe_export.evaluate.callback import MMLUCallback
-
         return [h for h in getattr(self._hooks, "hooks", ()) if isinstance(h, MMLUCallback)]
 
     def state_dict(self) -> dict[str, Any]:
@@ -408,8 +405,6 @@ def _finetune_recipe_class() -> type:
             export = getattr(self, "_moe_pipeline_export", None)
             if export is not None:
                 export = dict(export)
-                from nemo_moe_export.export import export_hf_checkpoint
-
                 self.moe_export_results["export"] = export_hf_checkpoint(
                     export.pop("output_dir"), list(self.model_parts), tokenizer=self.tokenizer,
                     pp_group=self.device_mesh["pp"].get_group(), **export)

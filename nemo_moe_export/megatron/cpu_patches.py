@@ -11,6 +11,8 @@ rank before building a model.
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 from typing import Any
 
 import torch
@@ -65,8 +67,6 @@ def apply_without_te() -> tuple[str, ...]:
 
 
 def have_transformer_engine() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -193,8 +193,6 @@ def _sequence_parallel_torch_norm() -> None:
     a partial sum, which megatron all-reduces over TP for weights tagged ``sequence_parallel``
     (``finalize_model_grads``), as TE's norms are tagged. So the norm is built with the flag off,
     and its weights tagged."""
-    import copy
-
     from megatron.core.transformer import torch_norm
 
     build = torch_norm.WrappedTorchNorm.__new__

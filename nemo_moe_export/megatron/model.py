@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers.modeling_outputs import CausalLMOutput
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from nemo_moe_export.adapters import InMemoryFormat
 from nemo_moe_export.adapters.tables_megatron import NAMING
@@ -101,8 +102,6 @@ class MegatronCausalLM(torch.nn.Module):
     def _copy_fp32_declarations(self) -> None:
         """What the family's transformers class keeps in float32, so an export cast to bf16 keeps
         the same tensors float32 (read from the class, as the export's casting does)."""
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
         hf_class = MODEL_FOR_CAUSAL_LM_MAPPING[stock_config_class(self.config)]
         self._keep_in_fp32_modules = list(getattr(hf_class, "_keep_in_fp32_modules", None) or [])
         self._keep_in_fp32_modules_strict = list(getattr(hf_class, "_keep_in_fp32_modules_strict", None) or [])

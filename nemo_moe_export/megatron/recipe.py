@@ -24,6 +24,8 @@ from typing import Any
 
 from nemo_moe_export.config import architecture, model_dtype
 from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.megatron import MegatronCausalLM, cpu_patches
+from nemo_moe_export.megatron.tiny import build_gpt, init_by_hf_name, tiny_transformer_config
 from nemo_moe_export.parallel import ParallelLayout, dist_info
 
 __all__ = ["build_recipe_model", "check_megatron_pipeline", "pipeline_split", "recipe_microbatches"]
@@ -38,17 +40,12 @@ def build_recipe_model(model_cfg: Any, parallel_cfg: Any, *, vocab_size: int, de
     groups of ``parallel.ep_size`` ranks of a stage, data parallel over the rest; weights from the
     model seed and their HF names (any EP or PP size gives the same model)."""
     _check(model_cfg, parallel_cfg)
-    from nemo_moe_export.megatron import cpu_patches
-
     if device == "cpu":
         cpu_patches.apply()
     elif not cpu_patches.have_transformer_engine():
         applied = cpu_patches.apply_without_te()
         logger.warning("megatron-core without Transformer Engine: applying %s", "; ".join(applied))
     from megatron.core import parallel_state
-
-    from nemo_moe_export.megatron import MegatronCausalLM
-    from nemo_moe_export.megatron.tiny import build_gpt, init_by_hf_name, tiny_transformer_config
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=parallel_cfg.pp_size,

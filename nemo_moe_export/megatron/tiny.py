@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nemo_moe_export.adapters import get_adapter
 from nemo_moe_export.errors import ExportInputError
 
 __all__ = ["DISPATCHERS", "build_gpt", "init_by_hf_name", "padded_vocab_size", "tiny_transformer_config"]
@@ -113,8 +114,6 @@ def init_by_hf_name(model: Any, seed: int = 0, std: float = 0.02) -> None:
     """Give every tensor of ``model`` (a ``MegatronCausalLM``) a value drawn from its HF name and
     ``seed``: norms 1, router biases N(0, 0.05), the rest N(0, std). Each rank fills only its own
     slices, through the adapter's ``from_hf``, so the values do not depend on the EP size."""
-    from nemo_moe_export.adapters import get_adapter
-
     view = model.state_dict()
     adapter = get_adapter(model.config)
     weights = {key: _seeded(key, meta.shape, meta.dtype, seed, std) for key, meta in adapter.hf_metadata(view).items()}

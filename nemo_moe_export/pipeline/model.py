@@ -56,7 +56,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from nemo_moe_export.errors import ExportInputError
 from nemo_moe_export.pipeline.stages import PipelineStageError, StageInfo, stage_ids, stage_info
 
-__all__ = ["PipelineError", "PipelinedCausalLM", "pipeline_train_step"]
+__all__ = ["PipelineError", "PipelinedCausalLM", "pipeline_train_step", "reshard_stages"]
 
 CACHED_SHAPES = 8
 """Stages + schedules kept per wrapper (one per batch shape); each holds its receive buffers."""
@@ -249,13 +249,13 @@ class PipelinedCausalLM(nn.Module):
         schedule holds only its receive buffers."""
         stages, schedule = self._compiled(_Shape(rows // self.n_microbatches, length, kept, loss_fn is not None),
                                           loss_fn)
-        _reshard(self.parts)  # as torch reshards a stage it initialises: the same state on every rank
+        reshard_stages(self.parts)  # as torch reshards a stage it initialises: the same state on every rank
         try:
             return schedule.step(*args, **step_kwargs)
         finally:
             for stage in stages:
                 stage.clear_runtime_states()
-            _reshard(self.parts)  # what comes next (another shape, another schedule) finds them sharded
+            reshard_stages(self.parts)  # what comes next (another shape, another schedule) finds them sharded
 
     def _compiled(self, shape: _Shape, loss_fn: Callable[..., torch.Tensor] | None) -> tuple[list[Any], Any]:
         """The stages and schedule for ``shape``, built on first use; the least recently used are
@@ -327,7 +327,7 @@ def _row_positions(keep: int | torch.Tensor, rows: int, length: int, device: tor
     return keep
 
 
-def _reshard(parts: Sequence[nn.Module]) -> None:
+def reshard_stages(parts: Sequence[nn.Module]) -> None:
     """Free the gathered weights of every ``fully_shard`` module in ``parts`` (local, no collective).
 
     torch's pipeline schedule reshards a stage's modules when it initialises that stage, on the
