@@ -196,7 +196,7 @@ def plain_forward(model: Any, prepared: Any, batch_size: int, layout: Any, pad_i
     batch ``b`` on rank ``b % world``, the last step filled with 1-token forwards (as EP needs)."""
     import torch
 
-    from nemo_moe_export.evaluate.planning import plan_batches
+    from nemo_moe_export.evaluate.batching import plan_batches
 
     device = next(model.parameters()).device
     batches = plan_batches(prepared.rows, batch_size)
@@ -268,7 +268,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, data_dir: str, tok_
 
     from nemo_moe_export.evaluate.data import load_mmlu
     from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator
-    from nemo_moe_export.evaluate.planning import default_tokens_per_batch
+    from nemo_moe_export.evaluate.batching import default_tokens_per_batch
     from nemo_moe_export.evaluate.prepare import prepare_questions
     from nemo_moe_export.expert_parallel import apply_expert_parallel
     from nemo_moe_export.parallel import discover_layout, init_expert_parallel

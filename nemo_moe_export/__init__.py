@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from nemo_moe_export.adapters import get_adapter, supported_model_types
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import ExportInputError, InputError
 from nemo_moe_export.placement import (
     get_ep_expert_range,
     get_sharded_expert_range,
@@ -43,6 +43,7 @@ _LAZY = {
 
 __all__ = sorted([
     "ExportInputError",
+    "InputError",
     "get_adapter",
     "get_ep_expert_range",
     "get_sharded_expert_range",

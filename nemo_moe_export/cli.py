@@ -23,7 +23,7 @@ and group presets in subfolders (``DIR/model/my_model.yaml``). ``--config-dir`` 
 Faults (docs/design.md#faults-and-how-each-is-reported): the whole config is checked before any rank
 starts work (once, in the ``--nproc`` launcher, before torchrun; on every rank under torchrun, where
 only rank 0 prints). A bad command line or config is one message on stderr and exit status 2, with
-no traceback unless ``--debug`` or ``NEMO_MOE_EXPORT_DEBUG=1`` asks for it; an ``ExportInputError``
+no traceback unless ``--debug`` or ``NEMO_MOE_EXPORT_DEBUG=1`` asks for it; an ``InputError``
 raised while the job runs is one message from the rank that raised it and exit status 1. SIGINT,
 SIGTERM or SIGHUP stops the job: the launcher forwards it to torchrun and waits for every rank, each
 rank stops where it is (an export in flight is discarded, its target untouched), and the exit
@@ -47,7 +47,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_moe_export.config import ParallelConfig, register_configs
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import ExportOptions, parse_size
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.integrations.nemo_run import launch_main
@@ -88,7 +88,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
     """What a bad command line or config raises: ours, Hydra's and OmegaConf's."""
-    return ExportInputError, HydraException, OmegaConfBaseException
+    return InputError, HydraException, OmegaConfBaseException
 
 
 def _run_checked(checked: Any) -> int:
@@ -127,7 +127,7 @@ def _job_failure(exc: BaseException) -> int:
         logging.shutdown()
         sys.stdout.flush()
         os._exit(128 + signum)
-    if isinstance(exc, SystemExit) or _debug() or not isinstance(exc, ExportInputError):
+    if isinstance(exc, SystemExit) or _debug() or not isinstance(exc, InputError):
         raise exc
     _say(f"error: {exc}")
     return JOB_ERROR
@@ -194,7 +194,7 @@ def _bandwidth(text: str) -> float:
     """``2GB`` (per second), ``500MiB``, or bytes per second."""
     try:
         return float(parse_size(text.removesuffix("/s")))
-    except ExportInputError:
+    except InputError:
         raise argparse.ArgumentTypeError(f"expected a bandwidth such as 2GB (per second), got {text!r}") from None
 
 

@@ -19,7 +19,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.export.options import ExportOptions, parse_dtype
 
@@ -45,7 +45,7 @@ def model_dtype(model: Any) -> torch.dtype:
     """``model.dtype`` (a ``ModelConfig``'s parameter dtype) as a floating ``torch.dtype``."""
     problem, expected = "unknown parameter dtype", "float32 | bfloat16"
     if model.dtype is None:
-        raise ExportInputError(problem, key="model.dtype", expected=expected, actual=repr(model.dtype))
+        raise InputError(problem, key="model.dtype", expected=expected, actual=repr(model.dtype))
     return parse_dtype(model.dtype, key="model.dtype", problem=problem, expected=expected)
 
 
@@ -168,7 +168,7 @@ def validate_config(cfg: Any, schema: type = None, prefix: str = "") -> None:
     for key in cfg.keys():
         name = f"{prefix}{key}"
         if key not in declared:
-            raise ExportInputError("unknown config key", key=name, expected=f"one of {sorted(declared)}",
+            raise InputError("unknown config key", key=name, expected=f"one of {sorted(declared)}",
                                    actual=repr(key), hint="check the spelling; the schemas are in nemo_moe_export/config.py")
         node = cfg.get(key)
         nested = _dataclass_type(declared[key].type)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ExportInputError", "Stopped", "current_rank"]
+__all__ = ["ExportInputError", "InputError", "Stopped", "current_rank"]
 
 
 def current_rank() -> int | None:
@@ -22,8 +22,9 @@ def current_rank() -> int | None:
     return None
 
 
-class ExportInputError(ValueError):
-    """Bad input to an adapter, layout helper or export step.
+class InputError(ValueError):
+    """Bad input, refused: to an adapter, a placement helper, the export, the evaluation, a recipe's
+    config or the command line.
 
     The structured fields stay available as attributes so callers and tests can check them
     without parsing the message.
@@ -58,6 +59,11 @@ class ExportInputError(ValueError):
         if hint:
             message += f". {hint}"
         super().__init__(message)
+
+
+ExportInputError = InputError
+"""The 0.1 name of :class:`InputError`, from when only the export raised it; kept so that existing
+``except ExportInputError`` clauses still catch every refused input."""
 
 
 class Stopped(KeyboardInterrupt):

@@ -34,7 +34,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Exper
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.placement import get_ep_expert_range
 from nemo_moe_export.parallel import ParallelLayout
 
@@ -63,7 +63,7 @@ def expert_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     ``edp`` times). Collective over the expert-DP group (it learns the replicas' EP ranks).
     """
     if layout.ep.group is None:
-        raise ExportInputError("expert parallelism needs an EP process group",
+        raise InputError("expert parallelism needs an EP process group",
                                expected="layout.ep.group", actual=None)
     if layout.edp.size == 1:
         return DeviceMesh.from_group(layout.ep.group, device_type, mesh_dim_names=("ep",))
@@ -170,7 +170,7 @@ def _check_experts_math(module: nn.Module) -> None:
     expected = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
                 "has_post_expert_norm": False}
     if variant != expected:
-        raise ExportInputError("unsupported experts variant for expert parallelism",
+        raise InputError("unsupported experts variant for expert parallelism",
                                key=type(module).__name__, expected=expected, actual=variant)
 
 
@@ -186,7 +186,7 @@ def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> nn.Module
         return model
     targets = experts_modules(model)
     if not targets:
-        raise ExportInputError(
+        raise InputError(
             "no supported experts module in the model",
             expected=f"modules of type {list(_EXPERTS_CLASS_NAMES)}",
             actual=type(model).__name__,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, TypeVar
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = ["Options", "require"]
 
@@ -31,7 +31,7 @@ class Options:
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
         unknown = sorted(set(overrides) - names)
         if unknown:
-            raise ExportInputError(f"unknown {cls.what}", key=unknown[0], expected=f"one of {sorted(names)}",
+            raise InputError(f"unknown {cls.what}", key=unknown[0], expected=f"one of {sorted(names)}",
                                    actual=repr(unknown[0]))
         source: Any = options if isinstance(options, dict) else {
             n: getattr(options, n) for n in names if options is not None and hasattr(options, n)}
@@ -40,6 +40,6 @@ class Options:
 
 
 def require(ok: bool, what: str, key: str, expected: str, actual: Any) -> None:
-    """Raise ``ExportInputError("bad <what>")`` naming the key, what was expected and what was given."""
+    """Raise ``InputError("bad <what>")`` naming the key, what was expected and what was given."""
     if not ok:
-        raise ExportInputError(f"bad {what}", key=key, expected=expected, actual=repr(actual))
+        raise InputError(f"bad {what}", key=key, expected=expected, actual=repr(actual))

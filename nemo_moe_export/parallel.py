@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
 from nemo_moe_export.collectives import all_same, butterfly_all_reduce, fingerprint_words, forget_gloo_group, gloo_group
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = [
     "DEVICES",
@@ -94,13 +94,13 @@ def resolve_device(requested: str = "auto") -> str:
     rather than silently run on the CPU.
     """
     if requested not in DEVICES:
-        raise ExportInputError("unknown device", key="parallel.device", expected=DEVICES, actual=repr(requested))
+        raise InputError("unknown device", key="parallel.device", expected=DEVICES, actual=repr(requested))
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "cpu" or (requested == "auto" and gpus < local_ranks):
         return "cpu"
     if gpus < local_ranks:
-        raise ExportInputError("not enough GPUs for one per local rank", key="parallel.device",
+        raise InputError("not enough GPUs for one per local rank", key="parallel.device",
                                expected=f"{local_ranks} visible GPUs", actual=gpus,
                                hint="run fewer ranks per node, or parallel.device=cpu")
     return "cuda"
@@ -334,7 +334,7 @@ class Coordinator:
         by_value: dict[Any, list[int]] = {}
         for r, v in enumerate(values):
             by_value.setdefault(v, []).append(self.global_rank(r))
-        raise ExportInputError(
+        raise InputError(
             f"ranks computed different {what}", key=key, expected=f"one {what} on every rank",
             actual="; ".join(f"ranks {ranks}: {v}" for v, ranks in by_value.items()),
             hint=hint or "every rank must run the same model, data and options",
@@ -560,7 +560,7 @@ def _mesh_layout(mesh: Any) -> ParallelLayout:
     known = (EP_DIM, *EXPERT_DP_DIMS, *DENSE_DP_DIMS, *MODEL_PARALLEL_DIMS)
     unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise ExportInputError(
+        raise InputError(
             "cannot tell the parallel layout from this DeviceMesh's dim names",
             expected=f"named dims among {list(known)}",
             actual=f"mesh_dim_names={names or None}",
@@ -601,7 +601,7 @@ def expert_parallel_groups(world_size: int, ep_size: int) -> tuple[list[list[int
     together (same node); expert-DP groups take one rank of each block (``[0, 2], [1, 3]``).
     """
     if ep_size < 1 or world_size < 1 or world_size % ep_size:
-        raise ExportInputError(
+        raise InputError(
             "the expert-parallel size must divide the world size",
             expected=f"ep_size >= 1 dividing world_size={world_size}",
             actual=f"ep_size={ep_size}",
@@ -621,7 +621,7 @@ def init_expert_parallel(ep_size: int, *, timeout_s: float = 600.0, backend: str
     others raise after ``timeout_s`` instead of hanging. ``backend`` defaults to the world's.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        raise ExportInputError(
+        raise InputError(
             "torch.distributed is not initialised",
             expected="dist.init_process_group(...) before init_expert_parallel",
             actual="no default process group",

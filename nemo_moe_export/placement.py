@@ -25,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.parallel import CP_DIM, TP_DIM
 
 __all__ = [
@@ -47,7 +47,7 @@ def get_sharded_expert_range(n_experts: int, num_shards: int, shard_index: int) 
     This labels an existing layout; do not use it to decide where experts should go.
     """
     if n_experts < 0 or num_shards < 1 or not 0 <= shard_index < num_shards:
-        raise ExportInputError(
+        raise InputError(
             "invalid shard arguments",
             expected="n_experts >= 0, num_shards >= 1, 0 <= shard_index < num_shards",
             actual=f"n_experts={n_experts}, num_shards={num_shards}, shard_index={shard_index}",
@@ -66,13 +66,13 @@ def get_ep_expert_range(n_experts: int, ep_size: int, ep_rank: int) -> tuple[int
     layout; it never chooses one.
     """
     if ep_size < 1 or not 0 <= ep_rank < ep_size:
-        raise ExportInputError(
+        raise InputError(
             "invalid expert-parallel arguments",
             expected="ep_size >= 1 and 0 <= ep_rank < ep_size",
             actual=f"ep_size={ep_size}, ep_rank={ep_rank}",
         )
     if n_experts % ep_size:
-        raise ExportInputError(
+        raise InputError(
             "expert parallelism needs the expert count to divide by the EP size",
             expected=f"n_experts % ep_size == 0 (ep_size={ep_size})",
             actual=f"n_experts={n_experts}",
@@ -121,7 +121,7 @@ def local_box(tensor: torch.Tensor, *, key: str = "?", plain_replica: tuple[int,
     mesh, placements = tensor.device_mesh, tensor.placements
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        raise ExportInputError(
+        raise InputError(
             "this rank is not part of the tensor's device mesh",
             key=key,
             expected=f"a rank in {mesh.mesh.flatten().tolist()}",
@@ -130,7 +130,7 @@ def local_box(tensor: torch.Tensor, *, key: str = "?", plain_replica: tuple[int,
         )
     for dim, placement in enumerate(placements):
         if isinstance(placement, Partial):
-            raise ExportInputError(
+            raise InputError(
                 "partial (pending-reduction) tensors cannot be converted",
                 key=key,
                 expected="Shard or Replicate placements",
@@ -140,7 +140,7 @@ def local_box(tensor: torch.Tensor, *, key: str = "?", plain_replica: tuple[int,
     local = tensor.to_local()
     local_shape, offsets = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     if tuple(local.shape) != tuple(local_shape):
-        raise ExportInputError(
+        raise InputError(
             "local shard shape disagrees with the DTensor's placements",
             key=key,
             expected=f"{tuple(local_shape)} at offset {tuple(offsets)} for {placements}",
@@ -206,6 +206,6 @@ def local_expert_range(expert_param: torch.Tensor, *, key: str = "?") -> tuple[i
     """
     box = local_box(expert_param, key=key)
     if not box.global_shape:
-        raise ExportInputError("expert tensor has no expert dim", key=key, expected="dim >= 1", actual=0)
+        raise InputError("expert tensor has no expert dim", key=key, expected="dim >= 1", actual=0)
     start = box.offsets[0]
     return start, start + box.local.shape[0]

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = [
     "DTYPES",
@@ -121,7 +121,7 @@ def dtype_info(name: str) -> SafetensorsDtype | None:
 def dtype_name(dtype: torch.dtype, *, key: str | None = None) -> str:
     """The header name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``); refuses one the format lacks."""
     if dtype not in _NAME_OF:
-        raise ExportInputError("dtype has no safetensors encoding", key=key,
+        raise InputError("dtype has no safetensors encoding", key=key,
                                expected=sorted(map(str, _NAME_OF)), actual=dtype)
     return _NAME_OF[dtype]
 
@@ -130,7 +130,7 @@ def torch_dtype(name: str, *, key: str | None = None) -> torch.dtype:
     """The torch dtype of a header dtype name (``"BF16"`` -> ``torch.bfloat16``)."""
     info = _BY_NAME.get(name)
     if info is None or info.torch is None:
-        raise ExportInputError("unsupported safetensors dtype", key=key, expected=sorted(_NAME_OF.values()),
+        raise InputError("unsupported safetensors dtype", key=key, expected=sorted(_NAME_OF.values()),
                                actual=name, hint="torch has no dtype for it" if info is not None else None)
     return info.torch
 
@@ -176,7 +176,7 @@ class TensorEntry:
         ok = ok and isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)
         ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
         if not ok:
-            raise ExportInputError("malformed safetensors header entry", key=key,
+            raise InputError("malformed safetensors header entry", key=key,
                                    expected="dtype (a format dtype name), shape [int >= 0, ...], "
                                             "data_offsets [start, end] (ints >= 0)",
                                    actual=info)
@@ -234,33 +234,33 @@ def replace_header_metadata(header: bytes, old: Mapping[str, str], new: Mapping[
 def decode_header(f: BinaryIO, file_size: int, *, name: str) -> SafetensorsHeader:
     """Read and decode the header at the start of ``f`` (a file of ``file_size`` bytes named ``name``).
 
-    Raises :class:`ExportInputError` naming the file when it is too short, the length runs past the
+    Raises :class:`InputError` naming the file when it is too short, the length runs past the
     end of the file or the library's limit, the header is not UTF-8 JSON of an object, or
     ``__metadata__`` is not an object of strings.
     """
     prefix = f.read(LENGTH_PREFIX_BYTES)
     if len(prefix) < LENGTH_PREFIX_BYTES:
-        raise ExportInputError("file is too short for a safetensors header", key=name,
+        raise InputError("file is too short for a safetensors header", key=name,
                                expected=f">= {LENGTH_PREFIX_BYTES} bytes", actual=f"{file_size} bytes")
     n = int.from_bytes(prefix, "little")
     if n > MAX_HEADER_BYTES:  # checked before reading: a corrupt length must not allocate gigabytes
-        raise ExportInputError("header is larger than safetensors allows", key=name,
+        raise InputError("header is larger than safetensors allows", key=name,
                                expected=f"<= {MAX_HEADER_BYTES} bytes", actual=f"{n} bytes")
     if n > file_size - LENGTH_PREFIX_BYTES:
-        raise ExportInputError("header length exceeds the file: truncated?", key=name,
+        raise InputError("header length exceeds the file: truncated?", key=name,
                                expected=f"<= {file_size - LENGTH_PREFIX_BYTES} bytes", actual=f"{n} bytes")
     try:
         # Strict UTF-8 first: json.loads(bytes) would also accept UTF-16 or a BOM, the library does not.
         header = json.loads(f.read(n).decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError
-        raise ExportInputError("header is not valid JSON", key=name, expected="a UTF-8 JSON object",
+        raise InputError("header is not valid JSON", key=name, expected="a UTF-8 JSON object",
                                actual=str(exc)) from exc
     if not isinstance(header, dict):
-        raise ExportInputError("header is not a JSON object", key=name, expected="a JSON object",
+        raise InputError("header is not a JSON object", key=name, expected="a JSON object",
                                actual=type(header).__name__)
     metadata = header.pop(METADATA_KEY, None)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
-        raise ExportInputError(f"{METADATA_KEY} is not an object of strings", key=name,
+        raise InputError(f"{METADATA_KEY} is not an object of strings", key=name,
                                expected='e.g. {"format": "pt"}', actual=metadata)
     return SafetensorsHeader(header, metadata, n)
 
@@ -297,7 +297,7 @@ def check_file(path: str | os.PathLike[str]) -> FileCheck:
             return FileCheck(None, {}, [f"{name}: is {kind}, not a safetensors file"])
         with open(path, "rb") as f:
             header = decode_header(f, st.st_size, name=name)
-    except ExportInputError as exc:
+    except InputError as exc:
         return FileCheck(None, {}, [f"{name}: {exc.problem} (expected {exc.expected}, found {exc.actual})"])
     except OSError as exc:
         if os.path.islink(path) and not os.path.exists(path):
@@ -318,7 +318,7 @@ def _checked_entry(name: str, key: str, header: SafetensorsHeader, problems: lis
     dtype x shape is recorded but the entry still counts for the tiling."""
     try:
         entry = header.entry(key)
-    except ExportInputError:
+    except InputError:
         problems.append(f"{name}: key '{key}' has a malformed entry {header.raw[key]}")
         return None
     expected = entry.expected_nbytes
@@ -361,15 +361,15 @@ def read_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
         with open(path, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
     except (ValueError, KeyError, TypeError, OSError) as exc:
-        raise ExportInputError("unreadable checkpoint index", key=path,
+        raise InputError("unreadable checkpoint index", key=path,
                                expected='JSON with a "weight_map" object', actual=f"{type(exc).__name__}: {exc}",
                                ) from exc
     if not isinstance(weight_map, dict):
-        raise ExportInputError("unreadable checkpoint index", key=path, expected='a "weight_map" object',
+        raise InputError("unreadable checkpoint index", key=path, expected='a "weight_map" object',
                                actual=type(weight_map).__name__)
     bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
     if bad is not None:
-        raise ExportInputError("unreadable checkpoint index", key=path,
+        raise InputError("unreadable checkpoint index", key=path,
                                expected=f'"weight_map" values that are file names (key {bad!r})',
                                actual=repr(weight_map[bad]))
     return weight_map

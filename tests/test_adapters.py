@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_moe_export.adapters import get_adapter, supported_model_types
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.tiny_models import tiny_model
 from checks import to_grouped_layout
 
@@ -99,7 +99,7 @@ def test_kimi_k3_style_table_maps_language_model_prefix(deepseek):
 
 
 def test_unknown_model_type_lists_supported():
-    with pytest.raises(ExportInputError) as info:
+    with pytest.raises(InputError) as info:
         get_adapter({"model_type": "mixtral", "num_local_experts": 8})
     msg = str(info.value)
     assert "mixtral" in msg and all(t in msg for t in supported_model_types())
@@ -108,7 +108,7 @@ def test_unknown_model_type_lists_supported():
 def test_expert_count_mismatch_names_key_and_counts(deepseek):
     model, _ = deepseek
     config = dict(model.config.to_dict(), n_routed_experts=6)
-    with pytest.raises(ExportInputError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj.*6 experts.*got 5"):
+    with pytest.raises(InputError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj.*6 experts.*got 5"):
         get_adapter(config).to_hf(model.state_dict())
 
 
@@ -116,7 +116,7 @@ def test_missing_sibling_expert_tensor(deepseek):
     model, _ = deepseek
     sd = dict(model.state_dict())
     del sd["model.layers.1.mlp.experts.down_proj"]
-    with pytest.raises(ExportInputError, match=r"missing an expert tensor.*model\.layers\.1"):
+    with pytest.raises(InputError, match=r"missing an expert tensor.*model\.layers\.1"):
         get_adapter(model.config).to_hf(sd)
 
 
@@ -124,7 +124,7 @@ def test_mismatched_expert_shapes(deepseek):
     model, _ = deepseek
     sd = dict(model.state_dict())
     sd["model.layers.1.mlp.experts.down_proj"] = torch.zeros(5, 32, 8)
-    with pytest.raises(ExportInputError, match="down projection does not match"):
+    with pytest.raises(InputError, match="down projection does not match"):
         get_adapter(model.config).to_hf(sd)
 
 
@@ -155,7 +155,7 @@ def test_from_hf_refuses_bad_checkpoints_before_touching_the_model(deepseek, tmp
     bad = _rewrite(path, tmp_path / "bad", edit)
     target = tiny_model("deepseek_v3", n_experts=5, seed=7)
     before = _snapshot(target.state_dict())
-    with pytest.raises(ExportInputError, match=pattern):
+    with pytest.raises(InputError, match=pattern):
         get_adapter(target.config).from_hf(target.state_dict(), bad)
     assert _unchanged(target.state_dict(), before)
 

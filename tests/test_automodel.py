@@ -785,7 +785,7 @@ def test_train_ft_under_pipeline_stages_evaluates_and_exports_what_automodel_wri
 
 
 def test_recipe_settings_default_their_folders_and_refuse_what_cannot_run():
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.integrations.automodel import recipe_settings
 
     settings = recipe_settings({"mmlu": {"data_path": "d", "every_n_steps": 5}, "export": {"dtype": "bfloat16"}},
@@ -793,7 +793,7 @@ def test_recipe_settings_default_their_folders_and_refuse_what_cannot_run():
     assert settings == {"mmlu": {"output_dir": "/ckpt/mmlu", "data_path": "d", "every_n_steps": 5},
                         "export": {"output_dir": "/ckpt/hf", "dtype": "bfloat16"}}
     assert recipe_settings({"export": {"output_dir": "/out"}}, "/ckpt") == {"export": {"output_dir": "/out"}}
-    with pytest.raises(ExportInputError, match="unknown moe_export settings.*moe_export.mmlu_eval"):
+    with pytest.raises(InputError, match="unknown moe_export settings.*moe_export.mmlu_eval"):
         recipe_settings({"mmlu_eval": {}}, "/ckpt")
-    with pytest.raises(ExportInputError, match="moe_export section of the recipe YAML is not a mapping"):
+    with pytest.raises(InputError, match="moe_export section of the recipe YAML is not a mapping"):
         recipe_settings(["mmlu"], "/ckpt")

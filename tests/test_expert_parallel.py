@@ -178,7 +178,7 @@ def _groups(layout) -> dict:
 def _layout_worker(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.parallel import discover_layout, init_expert_parallel
 
     out = {"world": _groups(discover_layout())}
@@ -194,7 +194,7 @@ def _layout_worker(rank: int, world: int) -> dict:
         try:
             call()
             errors[label] = None
-        except ExportInputError as exc:
+        except InputError as exc:
             errors[label] = str(exc)
     out["errors"] = errors
 
@@ -361,19 +361,19 @@ def test_stalled_ep_peer_is_an_error_not_a_hang(tmp_path):
 
 
 def test_ep_size_must_divide_the_expert_count():
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.placement import get_ep_expert_range
     from nemo_moe_export.parallel import expert_parallel_groups
 
-    with pytest.raises(ExportInputError, match="divide"):
+    with pytest.raises(InputError, match="divide"):
         get_ep_expert_range(6, 4, 0)
-    with pytest.raises(ExportInputError, match="divide the world size"):
+    with pytest.raises(InputError, match="divide the world size"):
         expert_parallel_groups(6, 4)
     assert expert_parallel_groups(8, 4) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
 
 
 def test_apply_expert_parallel_refuses_an_indivisible_expert_count():
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.expert_parallel import apply_expert_parallel
     from nemo_moe_export.parallel import ParallelLayout, RankGroup
     from nemo_moe_export.tiny_models import tiny_model
@@ -382,7 +382,7 @@ def test_apply_expert_parallel_refuses_an_indivisible_expert_count():
     before = {n: p.clone() for n, p in model.state_dict().items()}
     four = RankGroup(0, 4, (0, 1, 2, 3))
     layout = ParallelLayout(dp=four, ep=four, edp=RankGroup(0, 1, (0,)), source="test")
-    with pytest.raises(ExportInputError, match="divide by the EP size"):
+    with pytest.raises(InputError, match="divide by the EP size"):
         apply_expert_parallel(model, layout)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export import export_hf_checkpoint, plan_export, verify_checkpoint
 from nemo_moe_export.parallel import PeerError
 from nemo_moe_export.tiny_models import tiny_model
@@ -147,7 +147,7 @@ def test_export_step_is_a_target_plus_options_and_a_hook(model, tmp_path):
     step = ExportStep(tmp_path / "out", ExportOptions(dtype="bfloat16"), max_shard_size="10KB")
     assert step.output_dir == str(tmp_path / "out")
     assert step.options == ExportOptions(dtype="bfloat16", max_shard_size="10KB")
-    with pytest.raises(ExportInputError, match="unknown overwrite policy"):
+    with pytest.raises(InputError, match="unknown overwrite policy"):
         ExportStep(tmp_path / "never", overwrite="sometimes")  # refused when configured, not at the end
     ctx = RecipeContext(model=model, layout=None, adapter=get_adapter(model.config))
     step.on_train_end(ctx)

@@ -211,7 +211,7 @@ def _disagreeing_worker(rank, world, workdir):
     """Checks across ranks run after the validate agreement and refuse the same way on every rank."""
     import torch.distributed as dist
 
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.export import export_hf_checkpoint
     from nemo_moe_export.tiny_models import tiny_model
 
@@ -230,7 +230,7 @@ def _disagreeing_worker(rank, world, workdir):
     try:  # rank 1 plans other file sizes than its peers
         export_hf_checkpoint(os.path.join(workdir, "plans"), model, max_shard_size="16KB" if rank == 1 else "32KB",
                              timeout_s=60)
-    except ExportInputError as exc:
+    except InputError as exc:
         out["plans"] = dict(problem=exc.problem, key=exc.key, actual=exc.actual)
     # Sharded over all three ranks but exported by ranks 1 and 2: rank 0's shards have no writer.
     from torch.distributed.device_mesh import init_device_mesh
@@ -241,7 +241,7 @@ def _disagreeing_worker(rank, world, workdir):
     if rank in (1, 2):
         try:
             export_hf_checkpoint(os.path.join(workdir, "coverage"), model, group=without_rank0, timeout_s=60)
-        except ExportInputError as exc:
+        except InputError as exc:
             out["coverage"] = dict(problem=exc.problem, key=exc.key, expected=exc.expected, actual=exc.actual)
     return out
 

@@ -68,11 +68,11 @@ def _replica_copies(local, ranks):
 
 
 def _refusal(call):
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
 
     try:
         call()
-    except ExportInputError as exc:
+    except InputError as exc:
         return dict(problem=exc.problem, key=exc.key, expected=exc.expected, actual=exc.actual, hint=exc.hint)
     return None
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.recipe.compose import load_config
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -76,7 +76,7 @@ def test_more_ranks_than_cores_warn_and_a_bad_option_is_refused_before_launch(tm
 def test_debug_asks_for_the_traceback(tmp_path):
     proc, _ = _cli(["recipe=deepseek_v3_tiny", f"run_dir={tmp_path / 'run'}", "export.dtype=bf16", "--debug",
                     "--nproc", "2"])
-    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ExportInputError: unknown dtype" in proc.stderr
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "InputError: unknown dtype" in proc.stderr
 
 
 @pytest.mark.parametrize("argv,says", [
@@ -85,7 +85,7 @@ def test_debug_asks_for_the_traceback(tmp_path):
 def test_nproc_must_be_a_positive_integer(argv, says):
     from nemo_moe_export.recipe.compose import split_recipe_args
 
-    with pytest.raises(ExportInputError, match=r"--nproc must be a positive integer \(key '--nproc'\)") as info:
+    with pytest.raises(InputError, match=r"--nproc must be a positive integer \(key '--nproc'\)") as info:
         split_recipe_args(["recipe=deepseek_v3_tiny", *argv])
     assert says in str(info.value)
 
@@ -122,7 +122,7 @@ def test_the_whole_config_is_checked_before_any_work(overrides, says, tmp_path):
 
     run_dir = tmp_path / "run"
     cfg = load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", *[o.format(tmp=tmp_path) for o in overrides]])
-    with pytest.raises(ExportInputError, match=says):
+    with pytest.raises(InputError, match=says):
         check_recipe(cfg, 4)
     assert not run_dir.exists()
 
@@ -135,7 +135,7 @@ def test_mmlu_data_is_loaded_before_training(tmp_path):
     data = write_synthetic_mmlu(tmp_path / "data", n_train=4, n_dev=2, n_test=3)
     (data / "test" / "parity_test.csv").write_text("")
     cfg = load_config("deepseek_v3_tiny", [f"run_dir={tmp_path / 'run'}", f"mmlu.data_path={data}"])
-    with pytest.raises(ExportInputError, match=r"parity_test.csv holds no questions"):
+    with pytest.raises(InputError, match=r"parity_test.csv holds no questions"):
         check_recipe(cfg, 2)
 
 
@@ -153,7 +153,7 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
     tokenizer.save_pretrained(checkpoint / "tokenizer")
     check_training_checkpoint(str(checkpoint), cfg.model)  # the model it was saved from fits
     bigger = load_config("deepseek_v3_tiny", ["model.n_experts=8"]).model
-    with pytest.raises(ExportInputError, match=r"does not fit the configured model \(4 tensor\(s\) differ\) "
+    with pytest.raises(InputError, match=r"does not fit the configured model \(4 tensor\(s\) differ\) "
                                                r"\(key 'model.layers.1.mlp.experts.down_proj'\): expected shape "
                                                r"\(8, 128, 64\).*got \(6, 128, 64\)"):
         check_training_checkpoint(str(checkpoint), bigger)

@@ -333,7 +333,7 @@ def test_the_tables_quantize_what_transformers_fp8_converts(family, overrides):
 
 
 def test_bad_fp8_inputs_are_refused_before_anything_is_written(tmp_path):
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.export import ExportOptions, export_hf_checkpoint
     from nemo_moe_export.parallel import PeerError
     from nemo_moe_export.tiny_models import tiny_model
@@ -351,7 +351,7 @@ def test_bad_fp8_inputs_are_refused_before_anything_is_written(tmp_path):
     assert os.listdir(tmp_path) == []
     for bad in (dict(quantize="fp8"), dict(scale_fmt="ue8m0"), dict(quantize="fp8_block", scale_fmt="e8m0"),
                 dict(quantize="fp8_block", quantize_keys="experts")):
-        with pytest.raises(ExportInputError):
+        with pytest.raises(InputError):
             ExportOptions(**bad)
     # Given regexes replace the table's list; keep_dtype keys are never quantized.
     result = export_hf_checkpoint(tmp_path / "kimi", kimi, quantize="fp8_block", quantize_keys=[r"\.experts\.\d+\."],

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nemo_moe_export.adapters.fp8 import quantize_block_fp8
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.spawn import spawn
 from nemo_moe_export.tiny_models import tiny_model
 
@@ -127,14 +127,14 @@ def test_fp8_errors_name_key_and_shapes(fp8_checkpoint, tmp_path):
         return str(d)
 
     no_scale = {k: v for k, v in stored.items() if k != key + "_scale_inv"}
-    with pytest.raises(ExportInputError, match=rf"FP8 weight without its scale \(key '{key}'"):
+    with pytest.raises(InputError, match=rf"FP8 weight without its scale \(key '{key}'"):
         adapter.from_hf(model.state_dict(), broken("noscale", no_scale))
     bad_scale = dict(stored, **{key + "_scale_inv": torch.ones(3, 3)})
-    with pytest.raises(ExportInputError, match=r"scale has the wrong shape.*expected \(2, 2\) for weight \(48, 40\).*got \(3, 3\)"):
+    with pytest.raises(InputError, match=r"scale has the wrong shape.*expected \(2, 2\) for weight \(48, 40\).*got \(3, 3\)"):
         adapter.from_hf(model.state_dict(), broken("badscale", bad_scale))
     odd_block = dict(config, quantization_config=dict(config["quantization_config"], weight_block_size=[128]))
-    with pytest.raises(ExportInputError, match="unsupported FP8 block size"):
+    with pytest.raises(InputError, match="unsupported FP8 block size"):
         adapter.from_hf(model.state_dict(), broken("block", stored, odd_block))
     other = dict(config, quantization_config={"quant_method": "gptq"})
-    with pytest.raises(ExportInputError, match="unsupported quantization method"):
+    with pytest.raises(InputError, match="unsupported quantization method"):
         adapter.from_hf(model.state_dict(), broken("gptq", stored, other))

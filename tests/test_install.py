@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.recipe.compose import CONFIG_PATH_ENV, load_config, split_recipe_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,5 +236,5 @@ def test_command_line_folders_come_before_the_environment(tmp_path, monkeypatch)
 )
 def test_config_folder_errors_say_what_to_do(setup, pattern, tmp_path, monkeypatch):
     config_dirs, overrides = setup(tmp_path, monkeypatch)
-    with pytest.raises(ExportInputError, match=pattern):
+    with pytest.raises(InputError, match=pattern):
         load_config("deepseek_v3_tiny", overrides, config_dirs)

@@ -112,7 +112,7 @@ def test_export_reuses_the_adapter_built_at_setup(tmp_path):
     """One adapter per run: the export writes with ``ctx.adapter`` from the adapter hook and does not
     look one up again. After setup the config's model_type names no adapter table, so a second
     lookup would fail; the export still succeeds and matches save_pretrained."""
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.integrations import make_context
 
     model = tiny_model("qwen3_moe", n_experts=4)
@@ -123,7 +123,7 @@ def test_export_reuses_the_adapter_built_at_setup(tmp_path):
     built = ctx.adapter
     assert built is not None and "qwen3_moe" in built.table.model_types
     model.config.model_type = "not_a_known_family"  # an instance attribute: config.json keeps the class's
-    with pytest.raises(ExportInputError, match="no state-dict adapter"):
+    with pytest.raises(InputError, match="no state-dict adapter"):
         plugin_hooks().on_setup(make_context(model))  # what a second lookup would do
     hooks.on_train_end(ctx)
     assert ctx.adapter is built

@@ -1,5 +1,5 @@
 """Malformed checkpoint files: ``verify`` reports each as a line naming the file, ``from_hf`` refuses
-each with an ExportInputError naming the file and what is wrong, and neither raises anything else.
+each with an InputError naming the file and what is wrong, and neither raises anything else.
 
 Each broken file is first shown to be refused by the safetensors library itself (the independent
 reference), so the cases are malformed by the format's rules, not by ours. The base checkpoint is
@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 
 from nemo_moe_export.adapters import get_adapter
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export import verify_checkpoint
 from nemo_moe_export.safetensors_format import INDEX_FILE, MAX_HEADER_BYTES
 from nemo_moe_export.tiny_models import tiny_model
@@ -137,7 +137,7 @@ def test_malformed_file_is_a_report_line_and_a_named_error(case, base, model, tm
         report = verify_checkpoint(path)
         lines = [p for p in report.problems if p.startswith(f"{file.name}: ")]
         assert not report.ok and any(says in p for p in lines), report.summary()
-        with pytest.raises(ExportInputError) as info:
+        with pytest.raises(InputError) as info:
             get_adapter(model.config).from_hf(model.state_dict(), path)
         assert info.value.key == str(file) and says in str(info.value), str(info.value)
     finally:
@@ -160,7 +160,7 @@ def test_malformed_index_or_config_is_a_report_line_and_a_named_error(case, base
     (path / name).write_text(text)
     report = verify_checkpoint(path)
     assert not report.ok and any(p.startswith(name) and says in p for p in report.problems), report.summary()
-    with pytest.raises(ExportInputError) as info:
+    with pytest.raises(InputError) as info:
         get_adapter(model.config).from_hf(model.state_dict(), path)
     assert info.value.key == str(path / name) and says in str(info.value)
 

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from megatron_reference import hf_tensors
 from nemo_moe_export.adapters import InMemoryFormat, LocalExperts, get_adapter
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 H, VOCAB, DENSE_FFN, FFN = 16, 20, 24, 6
 EP = 2
@@ -177,7 +177,7 @@ def test_bad_megatron_inputs_are_refused_before_anything_is_read(case, pattern):
         state["decoder.layers.1.mlp.experts.weight1"] = torch.zeros(H, 5)
     else:
         state["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"] = torch.zeros(2 * FFN, H)
-    with pytest.raises(ExportInputError, match=pattern):
+    with pytest.raises(InputError, match=pattern):
         get_adapter(config).hf_metadata(state)
 
 
@@ -196,11 +196,14 @@ def test_config_json_is_the_stock_class_and_the_adapter_uses_the_megatron_table(
 def test_only_the_cpu_recipe_applies_the_cuda_stand_ins():
     """The product code calls megatron-core as it is: of the package, only the recipe's CPU path
     imports ``cpu_patches`` (the tests apply it themselves)."""
+    import re
     from pathlib import Path
 
     import nemo_moe_export
 
     root = Path(nemo_moe_export.__file__).parent
+    imports_it = re.compile(r"^\s*(from \S+ )?import [^\n]*\bcpu_patches\b", re.M)  # any import form
     users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
-                   if p.name != "cpu_patches.py" and "import cpu_patches" in p.read_text())
+                   if p.name != "cpu_patches.py" and imports_it.search(p.read_text()))
     assert users == ["megatron/recipe.py"]
+    assert not imports_it.search("x = 'cpu_patches'") and imports_it.search("from a import b, cpu_patches")

@@ -199,11 +199,11 @@ def _four_rank_worker(rank: int, world: int, data_root: str, workdir: str) -> di
 
 
 def _refusal(build) -> str | None:
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
 
     try:
         build()
-    except ExportInputError as exc:
+    except InputError as exc:
         return str(exc)
     return None
 

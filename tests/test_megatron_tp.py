@@ -266,14 +266,14 @@ def _context_parallel_refusal() -> str | None:
     """CP=2: the wrapper refuses at construction, before it touches the model."""
     from megatron.core import parallel_state as ps
 
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.megatron import MegatronCausalLM
 
     ps.initialize_model_parallel(context_parallel_size=2)
     try:
         MegatronCausalLM(None)
         return None
-    except ExportInputError as exc:
+    except InputError as exc:
         return str(exc)
     finally:
         ps.destroy_model_parallel()
@@ -430,7 +430,7 @@ def _qwen3_adapter(vocab: int):
 def test_glu_pieces_and_padded_rows_map_to_their_hf_rows():
     """``linear_fc1.weight_w`` / ``_v`` are gate and up whole; a padded embedding's HF tensor is its
     first ``vocab_size`` rows, as views; a vocabulary larger than the rows is refused by name."""
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
 
     state = {"embedding.word_embeddings.weight": torch.randn(128, 16),
              "decoder.layers.0.mlp.linear_fc1.weight_w": torch.randn(24, 16),
@@ -444,6 +444,6 @@ def test_glu_pieces_and_padded_rows_map_to_their_hf_rows():
     assert torch.equal(pieces["model.embed_tokens.weight"].tensor, state["embedding.word_embeddings.weight"][:100])
     assert pieces["model.embed_tokens.weight"].tensor.data_ptr() == state["embedding.word_embeddings.weight"].data_ptr()
     assert torch.equal(pieces["model.layers.0.mlp.up_proj.weight"].tensor, state["decoder.layers.0.mlp.linear_fc1.weight_v"])
-    with pytest.raises(ExportInputError, match="vocab_size") as refused:
+    with pytest.raises(InputError, match="vocab_size") as refused:
         _qwen3_adapter(200).hf_metadata(state)
     assert "embedding.word_embeddings.weight" in str(refused.value)

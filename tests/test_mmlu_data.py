@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import (
     SUBJECT_CATEGORIES,
     Question,
@@ -81,24 +81,24 @@ def test_csv_under_data_folder(tmp_path):
 
 def test_unknown_subject_lists_available(tmp_path):
     make_csv_tree(tmp_path)
-    with pytest.raises(ExportInputError, match="not found in the dev split") as e:
+    with pytest.raises(InputError, match="not found in the dev split") as e:
         load_mmlu(tmp_path, subjects=["anatomy", "astronmy"])
     assert e.value.actual == ["astronmy"]
     assert "anatomy" in str(e.value) and "toy_subject" in str(e.value)
 
 
 def test_missing_dir_and_missing_split(tmp_path):
-    with pytest.raises(ExportInputError, match="directory not found"):
+    with pytest.raises(InputError, match="directory not found"):
         load_mmlu(tmp_path / "nope")
     write_csv(tmp_path / "dev" / "anatomy_dev.csv", [["q", "a", "b", "c", "d", "A"]])
-    with pytest.raises(ExportInputError, match="test split not found"):
+    with pytest.raises(InputError, match="test split not found"):
         load_mmlu(tmp_path, splits=["dev", "test"])
-    with pytest.raises(ExportInputError, match="unknown MMLU split"):
+    with pytest.raises(InputError, match="unknown MMLU split"):
         load_mmlu(tmp_path, splits=["holdout"])
-    with pytest.raises(ExportInputError, match="train split not found"):  # a known split, absent here
+    with pytest.raises(InputError, match="train split not found"):  # a known split, absent here
         load_mmlu(tmp_path, splits=["train"])
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ExportInputError, match="no MMLU data found"):
+    with pytest.raises(InputError, match="no MMLU data found"):
         load_mmlu(tmp_path / "empty")
 
 
@@ -116,14 +116,14 @@ def test_missing_dir_and_missing_split(tmp_path):
 )
 def test_bad_csv_rows_name_file_and_row(tmp_path, row, match):
     write_csv(tmp_path / "test" / "anatomy_test.csv", [["ok", "a", "b", "c", "d", "A"], row])
-    with pytest.raises(ExportInputError, match=match) as e:
+    with pytest.raises(InputError, match=match) as e:
         load_mmlu(tmp_path, splits=["test"])
     assert "anatomy_test.csv row 2" in str(e.value)
 
 
 def test_row_number_counts_rows_not_lines(tmp_path):
     write_csv(tmp_path / "test" / "x_test.csv", [["multi\nline\nq", "a", "b", "c", "d", "A"], ["q", "a", "b", "B"]])
-    with pytest.raises(ExportInputError, match=r"x_test.csv row 2 \(line 4\)"):
+    with pytest.raises(InputError, match=r"x_test.csv row 2 \(line 4\)"):
         load_mmlu(tmp_path, splits=["test"])
 
 
@@ -136,10 +136,10 @@ def test_k_larger_than_dev_split(tmp_path):
     make_csv_tree(tmp_path)
     dev = load_mmlu(tmp_path, splits=["dev"])
     require_dev_examples(dev, ["toy_subject", "anatomy"], 1)
-    with pytest.raises(ExportInputError, match="k=2 few-shot") as e:
+    with pytest.raises(InputError, match="k=2 few-shot") as e:
         require_dev_examples(dev, ["toy_subject", "anatomy"], 2)
     assert e.value.actual == "anatomy: 1"
-    with pytest.raises(ExportInputError, match="k=5") as e:
+    with pytest.raises(InputError, match="k=5") as e:
         require_dev_examples(dev, ["toy_subject", "anatomy", "virology"], 5)
     assert e.value.actual == "anatomy: 1, toy_subject: 3, virology: 0"
 
@@ -189,14 +189,14 @@ def test_jsonl_split_folders(tmp_path):
 )
 def test_bad_jsonl_records_name_file_and_line(tmp_path, rec, match):
     write_jsonl(tmp_path / "test.jsonl", [record(), rec])
-    with pytest.raises(ExportInputError, match=match) as e:
+    with pytest.raises(InputError, match=match) as e:
         load_mmlu(tmp_path, splits=["test"])
     assert "test.jsonl line 2" in str(e.value)
 
 
 def test_invalid_json_line(tmp_path):
     (tmp_path / "test.jsonl").write_text(json.dumps(record()) + "\n\n{oops\n", encoding="utf-8")
-    with pytest.raises(ExportInputError, match="invalid JSON in .*test.jsonl line 3"):
+    with pytest.raises(InputError, match="invalid JSON in .*test.jsonl line 3"):
         load_mmlu(tmp_path, splits=["test"])
 
 
@@ -231,7 +231,7 @@ def test_parquet_per_subject_and_all(tmp_path):
 def test_parquet_bad_answer(tmp_path):
     pytest.importorskip("pyarrow")
     write_parquet(tmp_path / "all" / "test-00000-of-00001.parquet", [record(), record(answer=7)])
-    with pytest.raises(ExportInputError, match=r"bad answer in .*test-00000-of-00001.parquet row 1"):
+    with pytest.raises(InputError, match=r"bad answer in .*test-00000-of-00001.parquet row 1"):
         load_mmlu(tmp_path, splits=["test"])
 
 
@@ -248,7 +248,7 @@ def test_parquet_without_pyarrow_says_install(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
-    with pytest.raises(ExportInputError, match="needs pyarrow.*pip install pyarrow"):
+    with pytest.raises(InputError, match="needs pyarrow.*pip install pyarrow"):
         load_mmlu(tmp_path, splits=["test"])
 
 
@@ -276,7 +276,7 @@ def test_an_empty_test_file_is_an_error_naming_it_not_a_dropped_subject(tmp_path
     make_csv_tree(tmp_path)
     empty = tmp_path / "test" / "anatomy_test.csv"
     empty.write_text("")
-    with pytest.raises(ExportInputError, match="holds no questions") as e:
+    with pytest.raises(InputError, match="holds no questions") as e:
         load_mmlu(tmp_path)
     assert e.value.key == str(empty)
     with pytest.warns(UserWarning, match=f"{empty} holds no questions"):  # explicitly allowed: said, not silent
@@ -287,7 +287,7 @@ def test_an_empty_test_file_is_an_error_naming_it_not_a_dropped_subject(tmp_path
 def test_an_empty_jsonl_file_is_an_error_naming_it(tmp_path):
     write_jsonl(tmp_path / "test" / "a.jsonl", [record()])
     (tmp_path / "test" / "b.jsonl").write_text("\n\n")
-    with pytest.raises(ExportInputError, match=r"b\.jsonl holds no questions"):
+    with pytest.raises(InputError, match=r"b\.jsonl holds no questions"):
         load_mmlu(tmp_path, splits=["test"])
 
 
@@ -299,7 +299,7 @@ def test_an_unreadable_file_is_an_error_naming_it(tmp_path, make, kind):
     make_csv_tree(tmp_path)
     bad = tmp_path / "test" / "zoology_test.csv"
     make(bad)
-    with pytest.raises(ExportInputError, match=f"cannot read MMLU data file {bad}.*{kind}"):
+    with pytest.raises(InputError, match=f"cannot read MMLU data file {bad}.*{kind}"):
         load_mmlu(tmp_path)
 
 
@@ -311,11 +311,11 @@ def test_a_non_utf8_byte_names_file_row_and_offset(tmp_path):
     data = path.read_bytes()
     path.write_bytes(data.replace("caf\u00e9".encode(), b"caf\xe9"))  # latin-1, as old editors save it
     offset = data.index("caf\u00e9".encode()) + 3
-    with pytest.raises(ExportInputError, match=rf"non-UTF-8 byte in {path} row 3 \(line 4\).*0xe9 at offset {offset}"):
+    with pytest.raises(InputError, match=rf"non-UTF-8 byte in {path} row 3 \(line 4\).*0xe9 at offset {offset}"):
         load_mmlu(tmp_path, splits=["test"])
     (tmp_path / "test" / "x_test.csv").unlink()
     (tmp_path / "test.jsonl").write_bytes(json.dumps(record()).encode() + b'\n{"question": "\xff"}\n')
-    with pytest.raises(ExportInputError, match=r"non-UTF-8 byte in .*test\.jsonl row 2 \(line 2\)"):
+    with pytest.raises(InputError, match=r"non-UTF-8 byte in .*test\.jsonl row 2 \(line 2\)"):
         load_mmlu(tmp_path, splits=["test"])
 
 
@@ -325,8 +325,8 @@ def test_a_corrupt_or_empty_parquet_file_is_an_error_naming_it(tmp_path):
     bad = tmp_path / "toy" / "test-00000-of-00001.parquet"
     bad.parent.mkdir()
     bad.write_bytes(b"PAR1 this was cut off")
-    with pytest.raises(ExportInputError, match=f"cannot read MMLU data file {bad}"):
+    with pytest.raises(InputError, match=f"cannot read MMLU data file {bad}"):
         load_mmlu(tmp_path, splits=["test"])
     write_parquet(bad, [])  # a valid file with no rows
-    with pytest.raises(ExportInputError, match="holds no questions"):
+    with pytest.raises(InputError, match="holds no questions"):
         load_mmlu(tmp_path, splits=["test"])

@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.spawn import spawn
 
 WORLD = 4
@@ -139,7 +139,7 @@ class ForwardCounter:
 
 def _plan(tok, test, dev, layout, policy, **kw):
     """This rank's steps and the global batches, planned as evaluate_mmlu plans them with ``kw``."""
-    from nemo_moe_export.evaluate.planning import plan_batches, plan_steps
+    from nemo_moe_export.evaluate.batching import plan_batches, plan_steps
     from nemo_moe_export.evaluate.prefixes import find_shared_prefixes
     from nemo_moe_export.evaluate.prepare import prepare_questions
 
@@ -170,7 +170,7 @@ def _run_policies(model, tok, test, dev, layout, label: str, policies=("lockstep
 
 
 def _bad_inputs(tok, split_tok, test, dev, layout, model) -> dict:
-    """Each bad input must raise ExportInputError at once, on every rank, with no collective begun."""
+    """Each bad input must raise InputError at once, on every rank, with no collective begun."""
     from nemo_moe_export.evaluate.evaluator import evaluate_mmlu
 
     cases = {
@@ -187,7 +187,7 @@ def _bad_inputs(tok, split_tok, test, dev, layout, model) -> dict:
             evaluate_mmlu(model, kw.pop("tokenizer"), kw.pop("questions"), dev, layout, timeout_s=60,
                           progress=False, **kw)
             out[name] = (None, time.monotonic() - started)
-        except ExportInputError as exc:
+        except InputError as exc:
             out[name] = (str(exc).replace(f"rank {layout.dp.ranks[layout.dp.rank]}", "rank R"),
                          time.monotonic() - started)
     return out
@@ -472,7 +472,7 @@ def test_bad_input_is_a_clear_error(inputs, tmp_path, case):
         "bad_shared_prefix": (lambda: MMLUCallback(inputs["data"], shared_prefix="yes"), "shared_prefix"),
     }
     call, message = calls[case]
-    with pytest.raises(ExportInputError, match=message):
+    with pytest.raises(InputError, match=message):
         call()
 
 
@@ -484,7 +484,7 @@ def build_model_with_vocab(vocab_size: int):
 
 def test_plan_balances_steps_and_keeps_padding_low(inputs):
     """Planning alone (no ranks): equal step counts for safe policies, uneven for naive."""
-    from nemo_moe_export.evaluate.planning import plan_batches, plan_steps
+    from nemo_moe_export.evaluate.batching import plan_batches, plan_steps
     from nemo_moe_export.evaluate.prepare import prepare_questions
     from nemo_moe_export.parallel import ParallelLayout, RankGroup
 

@@ -157,10 +157,10 @@ def test_ranks_agree_before_the_first_step_every_n_steps_and_after_the_last(runs
 
 
 def test_agree_every_is_checked():
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.evaluate.options import MMLUOptions
 
     assert MMLUOptions(agree_every=None).agree_every is None and MMLUOptions(agree_every=3).agree_every == 3
     for bad in (0, -1, 2.5, True, "4"):
-        with pytest.raises(ExportInputError, match="agree_every"):
+        with pytest.raises(InputError, match="agree_every"):
             MMLUOptions(agree_every=bad)

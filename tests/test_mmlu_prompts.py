@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import Question
 from nemo_moe_export.evaluate.prompts import (
     ANSWER_CONTINUATIONS,
@@ -98,11 +98,11 @@ def test_fewshot_first_k_of_subject_and_limits():
     pool = [other, *DEV]
     assert select_fewshot(pool, 2, TEST) == DEV[:2]
     assert select_fewshot(pool, 0, TEST) == []
-    with pytest.raises(ExportInputError, match="not enough few-shot examples for subject 'abstract_algebra'"):
+    with pytest.raises(InputError, match="not enough few-shot examples for subject 'abstract_algebra'"):
         select_fewshot(pool, 4, TEST)
     # Evaluating dev itself: lm-eval's FirstNSampler drops the evaluated doc from the pool.
     assert select_fewshot(pool, 2, DEV[0]) == DEV[1:3]
-    with pytest.raises(ExportInputError):
+    with pytest.raises(InputError):
         select_fewshot(pool, 3, DEV[0])
 
 
@@ -251,7 +251,7 @@ def test_empty_continuation_is_refused():
     merges = [(" ", "A"), (":", " A")]
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=merges)))
     assert tok.encode("x:") == [0, 1] and tok.encode("x: A") == [0, 5]
-    with pytest.raises(ExportInputError, match="continuation encodes to no tokens"):
+    with pytest.raises(InputError, match="continuation encodes to no tokens"):
         encode_request(tok, "x:")
 
 
@@ -266,7 +266,7 @@ def test_truncate_left_matches_lm_eval_slice():
     assert truncate_left(ctx, cont, 3) == ([8, 9, 100], True)
     assert truncate_left(ctx, cont, 2) == ([9, 100], True)  # continuation may fill max_length
     for bad in ((ctx, [], 5), ([], cont, 5), (ctx, cont, 1), (ctx, cont, 0)):
-        with pytest.raises(ExportInputError):
+        with pytest.raises(InputError):
             truncate_left(*bad)
 
 
@@ -326,9 +326,9 @@ def test_continuation_logprob_matches_lm_eval_including_padding():
         lm_eval_score(logits, 6, cont), abs=1e-12)
     manual = sum(torch.log_softmax(logits[6 + i], -1)[t].item() for i, t in enumerate(cont))
     assert continuation_logprob(logits, cont) == pytest.approx(manual, abs=1e-12)
-    with pytest.raises(ExportInputError):
+    with pytest.raises(InputError):
         continuation_logprob(logits, [1] * 10)
-    with pytest.raises(ExportInputError):
+    with pytest.raises(InputError):
         continuation_logprob(logits[0], cont)
 
 
@@ -344,7 +344,7 @@ def test_predict_ties_go_to_first_and_nan_refused():
     assert predict([-1.0, -0.5, -0.5, -2.0]) == 1
     assert predict([-3.0, -3.0, -3.0, -3.0]) == 0
     assert predict([-3.0, -2.0, -1.0, -0.5]) == 3
-    with pytest.raises(ExportInputError):
+    with pytest.raises(InputError):
         predict([0.0, float("nan"), 0.0, 0.0])
 
 
@@ -362,7 +362,7 @@ def test_aggregate_is_micro_over_subjects_and_json_serialisable():
     md = results_to_markdown(res)
     assert "| **mmlu** | 57.14 | 4 | 7 |" in md and "| - stem | 50.00 | 2 | 4 |" in md
     assert "|   - astronomy | 33.33 | 1 | 3 |" in md
-    with pytest.raises(ExportInputError):
+    with pytest.raises(InputError):
         aggregate([])
 
 

@@ -87,7 +87,7 @@ def test_a_model_that_cannot_cache_falls_back_to_full_prompts_with_a_log_line(da
 def test_plan_units_cover_every_row_once_within_the_budget(data):
     """Every row in exactly one suffix batch, each right after its unit's prefix batch in the
     order a shard runs them; no forward over the budget; the batches do not depend on the world."""
-    from nemo_moe_export.evaluate.planning import plan_batches, plan_steps
+    from nemo_moe_export.evaluate.batching import plan_batches, plan_steps
     from nemo_moe_export.evaluate.prefixes import find_shared_prefixes
     from nemo_moe_export.evaluate.prepare import prepare_questions
     from nemo_moe_export.parallel import ParallelLayout, RankGroup
@@ -134,7 +134,7 @@ def test_batched_scores_equal_lm_eval_style_single_row_scores():
 
 
 def test_default_token_budget_comes_from_the_model_and_its_device():
-    from nemo_moe_export.evaluate.planning import MAX_TOKENS, MIN_TOKENS, bytes_per_token, default_tokens_per_batch
+    from nemo_moe_export.evaluate.batching import MAX_TOKENS, MIN_TOKENS, bytes_per_token, default_tokens_per_batch
 
     small, big = _model("deepseek_v3"), _model("qwen3_moe")
     assert bytes_per_token(big) != bytes_per_token(small)
@@ -151,12 +151,12 @@ def test_default_token_budget_comes_from_the_model_and_its_device():
 def test_full_prompt_default_budget_is_capped_below_the_shared_prefix_one(monkeypatch):
     """Full prompts pad to their batch's longest row, so their default stops at
     FULL_PROMPT_MAX_TOKENS; shared-prefix suffixes may use the whole memory-derived budget."""
-    from nemo_moe_export.evaluate import planning
+    from nemo_moe_export.evaluate import batching
 
     model = _model("deepseek_v3")
-    monkeypatch.setattr(planning, "CPU_ACTIVATION_BYTES", 64 << 30)  # a device with room for far more
-    assert planning.default_tokens_per_batch(model, shared_prefix=False) == planning.FULL_PROMPT_MAX_TOKENS
-    assert planning.default_tokens_per_batch(model, shared_prefix=True) == planning.MAX_TOKENS
+    monkeypatch.setattr(batching, "CPU_ACTIVATION_BYTES", 64 << 30)  # a device with room for far more
+    assert batching.default_tokens_per_batch(model, shared_prefix=False) == batching.FULL_PROMPT_MAX_TOKENS
+    assert batching.default_tokens_per_batch(model, shared_prefix=True) == batching.MAX_TOKENS
 
 
 def _model_with(**config):
@@ -166,7 +166,7 @@ def _model_with(**config):
 
 
 def test_a_row_longer_than_the_budget_still_gets_a_forward_of_its_own(data):
-    from nemo_moe_export.evaluate.planning import plan_batches
+    from nemo_moe_export.evaluate.batching import plan_batches
     from nemo_moe_export.evaluate.prefixes import find_shared_prefixes
     from nemo_moe_export.evaluate.prepare import prepare_questions
 

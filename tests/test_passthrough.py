@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from nemo_moe_export.adapters import get_adapter
 from nemo_moe_export.adapters.fp8 import quantize_block_fp8
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export import export_hf_checkpoint
 from nemo_moe_export.parallel import PeerError
 from nemo_moe_export.tiny_models import tiny_model
@@ -55,7 +55,7 @@ def test_extra_keys_are_kept_whole_in_one_process_and_written_back(checkpoint, t
 
 def test_opting_out_restores_the_strict_refusal(checkpoint):
     model, adapter = _target()
-    with pytest.raises(ExportInputError, match=r"4 checkpoint keys have no place in the model"):
+    with pytest.raises(InputError, match=r"4 checkpoint keys have no place in the model"):
         adapter.from_hf(model.state_dict(), checkpoint, passthrough=False)
     report = adapter.from_hf(model.state_dict(), checkpoint, passthrough=False, strict=False)
     assert report.passthrough == {} and adapter.passthrough == {}

@@ -204,7 +204,7 @@ def _case(case: Case, tok, test, dev) -> dict:
 
 def _refusals(model) -> dict[str, str | None]:
     """Bad uses refused up front with the package's input error (the key it names), on every rank."""
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.pipeline import PipelinedCausalLM, pipeline_train_step
 
     ids, _, labels = _batch(3, 3, 5)  # 3 rows: not a multiple of the microbatches
@@ -219,7 +219,7 @@ def _refusals(model) -> dict[str, str | None]:
         try:
             call()
             out[name] = None
-        except ExportInputError as exc:
+        except InputError as exc:
             out[name] = exc.key
     return out
 
@@ -364,7 +364,7 @@ def test_stage_layout_and_ids():
 
 @pytest.mark.parametrize("bad", ["tied", "layers", "n_stages", "not_a_model"])
 def test_split_refuses_what_it_cannot_split(bad):
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.pipeline import split_stages
     from nemo_moe_export.tiny_models import tiny_model
 
@@ -375,7 +375,7 @@ def test_split_refuses_what_it_cannot_split(bad):
         "not_a_model": (lambda: split_stages(torch.nn.Linear(2, 2), 2), "model_type"),
     }
     call, key = calls[bad]
-    with pytest.raises(ExportInputError, match="pipeline stages|layers_per_stage") as info:
+    with pytest.raises(InputError, match="pipeline stages|layers_per_stage") as info:
         call()
     assert info.value.key == key and info.value.expected is not None and info.value.actual is not None
 

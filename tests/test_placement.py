@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.placement import get_ep_expert_range, get_sharded_expert_range
 from nemo_moe_export.spawn import spawn
 
@@ -33,9 +33,9 @@ def test_sharded_range_matches_observed_fsdp2_sizes(n, world, sizes):
 
 def test_ep_range_is_balanced_and_refuses_indivisible_counts():
     assert [get_ep_expert_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    with pytest.raises(ExportInputError, match="divide by the EP size.*n_experts=60"):
+    with pytest.raises(InputError, match="divide by the EP size.*n_experts=60"):
         get_ep_expert_range(60, 8, 0)
-    with pytest.raises(ExportInputError, match="ep_rank"):
+    with pytest.raises(InputError, match="ep_rank"):
         get_ep_expert_range(8, 4, 4)
 
 
@@ -68,7 +68,7 @@ def _placements_worker(rank, world):
     # A balanced split (the seed's bug) declared as Shard(0): refused with a clear error.
     from torch.distributed.tensor import DTensor
 
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
 
     balanced = [2, 1, 1, 1][rank]
     bad = DTensor.from_local(torch.zeros(balanced, 6, 4), cases["fsdp"][0], [Shard(0)], run_check=False,
@@ -76,7 +76,7 @@ def _placements_worker(rank, world):
     try:
         local_box(bad, key="layers.1.experts.gate_up_proj")
         results["balanced_error"] = None
-    except ExportInputError as exc:
+    except InputError as exc:
         results["balanced_error"] = str(exc)
     return results
 

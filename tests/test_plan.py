@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_moe_export.adapters import HFShard, TensorMeta, get_adapter
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.plan import assign_file_owners, check_coverage, element_counts, plan_export
 from nemo_moe_export.safetensors_format import decode_header
 from nemo_moe_export.tiny_models import tiny_model
@@ -82,7 +82,7 @@ def test_file_owners_go_round_robin_over_the_writers(metadata):
     owners = assign_file_owners(plan, [3, 1])
     assert [owners[n] for n in names] == [[3, 1][i % 2] for i in range(len(names))]
     assert set(assign_file_owners(plan, [0]).values()) == {0}
-    with pytest.raises(ExportInputError, match="no rank to own the checkpoint files"):
+    with pytest.raises(InputError, match="no rank to own the checkpoint files"):
         assign_file_owners(plan, [])
 
 
@@ -100,7 +100,7 @@ def test_a_doubled_writer_is_named_with_expected_and_actual(metadata, pieces):
     first = list(plan.tensors)[0]
     doubled = counts.clone()
     doubled[0] *= 2
-    with pytest.raises(ExportInputError) as info:
+    with pytest.raises(InputError) as info:
         check_coverage(plan, doubled)
     numel = math.prod(plan.tensors[first].shape)
     assert info.value.key == first and info.value.problem == "1 tensors would not be written exactly once"
@@ -114,20 +114,20 @@ def test_missing_pieces_and_secondaries_are_not_coverage(metadata, pieces):
     dropped = [p for p in pieces if p.key != keys[3]]
     secondary = [HFShard(p.key, p.global_shape, p.offsets, p.tensor, False, p.source_key, p.expert)
                  for p in pieces if p.key == keys[3]]
-    with pytest.raises(ExportInputError) as info:
+    with pytest.raises(InputError) as info:
         check_coverage(plan, element_counts(plan, dropped + secondary))
     assert info.value.key == keys[3] and info.value.actual == "0 written by primaries across ranks"
 
 
 def test_a_piece_outside_the_plan_is_refused(metadata, pieces):
     plan = plan_export({k: v for k, v in metadata.items() if k != "model.norm.weight"})
-    with pytest.raises(ExportInputError, match="a piece has no place in the export plan") as info:
+    with pytest.raises(InputError, match="a piece has no place in the export plan") as info:
         element_counts(plan, pieces)
     assert info.value.key == "model.norm.weight"
 
 
 def test_dtypes_without_an_encoding_are_refused_by_key():
-    with pytest.raises(ExportInputError, match="dtype has no safetensors encoding") as info:
+    with pytest.raises(InputError, match="dtype has no safetensors encoding") as info:
         plan_export({"a": TensorMeta((2,), torch.float32), "b": TensorMeta((2,), torch.complex128)})
     assert info.value.key == "b"
 

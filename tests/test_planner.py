@@ -466,7 +466,7 @@ def test_cli_plans_tp_cp_and_sp_meshes(capsys):
     without TP are refused in one line, and the recipe refuses meshes it does not build."""
     from nemo_moe_export.cli import main
     from nemo_moe_export.config import ModelConfig
-    from nemo_moe_export.errors import ExportInputError
+    from nemo_moe_export.errors import InputError
     from nemo_moe_export.recipe.checks import check_parallel
 
     base = ["plan", "--model-preset", "deepseek_v3_tiny", "--world", "16", "--strategy", "ep", "--ep", "2", "--tp", "2",
@@ -488,5 +488,5 @@ def test_cli_plans_tp_cp_and_sp_meshes(capsys):
     assert "expert tensor parallelism is not planned" in capsys.readouterr().err
     assert main(["plan", "--model-preset", "deepseek_v3_tiny", "--world", "4", "--sp"]) == 2
     assert "sequence parallelism needs tensor parallelism" in capsys.readouterr().err
-    with pytest.raises(ExportInputError, match="parallel.tp_size"):
+    with pytest.raises(InputError, match="parallel.tp_size"):
         check_parallel(ParallelConfig(tp_size=2), ModelConfig(), 4)

@@ -12,8 +12,9 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from safetensors.torch import load_file
 
 from nemo_moe_export.recipe.compose import load_config
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.recipe.checks import check_stages
+from nemo_moe_export.recipe.stages import check_recipe
 
 QUICK = ["trainer.max_steps=20", "trainer.progress=false", "mmlu.every_n_steps=10", "data.n_test=12",
          "data.n_train=60"]
@@ -32,7 +33,7 @@ def test_recipe_config_is_typed():
     [
         ("trainer.max_steps=lots", ConfigCompositionException, "trainer.max_steps=lots"),
         ("trainer.learning_rate=0.1", ConfigCompositionException, "trainer.learning_rate"),
-        ("+trainer.learning_rate=0.1", ExportInputError, "key 'trainer.learning_rate'"),
+        ("+trainer.learning_rate=0.1", InputError, "key 'trainer.learning_rate'"),
         ("parallel=zero3", MissingConfigException, "parallel/zero3"),
     ],
     ids=["wrong-type", "unknown-key", "unknown-key-appended", "unknown-group-option"],
@@ -51,7 +52,7 @@ def test_wrong_type_names_the_type():
 
 
 def test_unknown_recipe_lists_the_known_ones():
-    with pytest.raises(ExportInputError, match=r"unknown recipe.*deepseek_v3_tiny.*qwen3_moe_tiny"):
+    with pytest.raises(InputError, match=r"unknown recipe.*deepseek_v3_tiny.*qwen3_moe_tiny"):
         load_config("mixtral_tiny")
 
 
@@ -66,7 +67,7 @@ def test_unknown_recipe_lists_the_known_ones():
 )
 def test_stage_order_and_inputs(stages, pattern):
     cfg = load_config("deepseek_v3_tiny", [f"stages=[{','.join(stages)}]"])
-    with pytest.raises(ExportInputError, match=pattern):
+    with pytest.raises(InputError, match=pattern):
         check_stages(cfg)
 
 
@@ -82,7 +83,7 @@ def test_every_stage_option_is_checked_before_any_work(override, pattern, tmp_pa
     from nemo_moe_export.recipe.stages import run_recipe
 
     run_dir = tmp_path / "run"
-    with pytest.raises(ExportInputError, match=pattern):
+    with pytest.raises(InputError, match=pattern):
         run_recipe(load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", override]))
     assert not run_dir.exists()
 
@@ -97,7 +98,7 @@ def test_an_existing_export_target_is_refused_before_training(tmp_path):
     (run_dir / "hf").mkdir(parents=True)
     cfg = load_config("deepseek_v3_tiny", [f"run_dir={run_dir}"])
     assert cfg.export.overwrite == "error"
-    with pytest.raises(ExportInputError, match="export target already exists.*pass export.overwrite=replace"):
+    with pytest.raises(InputError, match="export target already exists.*pass export.overwrite=replace"):
         run_recipe(cfg)
     assert sorted(os.listdir(run_dir)) == ["hf"], "nothing was set up or written"
     replace = load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", "export.overwrite=replace"])
@@ -154,6 +155,33 @@ def test_single_stage_from_a_saved_checkpoint(trained_run, tmp_path):
     assert all((first[k] == again[k]).all() for k in first)
 
 
+def test_a_task_from_yaml_alone_runs_through_the_recipe(tmp_path):
+    """ARC-Challenge picked by overrides only: the recipe trains on its synthetic MMLU-format corpus,
+    evaluates ARC from mmlu.data_path (acc_norm), exports, and the reload answers every question as
+    the trained model did."""
+    from test_eval_tasks import write_arc
+
+    data = write_arc(tmp_path / "ARC-Challenge")
+    run_dir = tmp_path / "arc"
+    proc = run_cli(["recipe=qwen3_moe_tiny", f"run_dir={run_dir}", *QUICK, "mmlu.task=arc_challenge",
+                    "mmlu.k_shot=0", f"mmlu.data_path={data}", "mmlu.max_questions=16", "mmlu.plot=false",
+                    "--nproc", "2"])
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["train"]["steps"] == 20
+    assert results["mmlu"]["overall"]["n"] == 16 and "acc_norm" in results["mmlu"]["overall"]
+    assert results["mmlu_during_training"][0]["step"] == 10 and "arc_challenge/acc_norm" in results["mmlu_during_training"][0]
+    written = json.loads((run_dir / "mmlu" / "arc_challenge_results.json").read_text())
+    assert written["task"] == "arc_challenge" and len(written["predictions"]) == 16
+    assert results["verify"]["ok"] and results["verify"]["same_predictions"]
+    assert "ARC-Challenge overall acc" in proc.stdout
+
+
+def test_a_task_of_its_own_format_needs_its_documents(tmp_path):
+    cfg = load_config("deepseek_v3_tiny", [f"run_dir={tmp_path / 'r'}", "mmlu.task=arc_challenge", "mmlu.k_shot=0"])
+    with pytest.raises(InputError, match="key 'mmlu.data_path'.*MMLU-shaped"):
+        check_recipe(cfg, 1)
+
+
 def test_nemo_run_launcher_runs_the_recipe_locally(tmp_path):
     pytest.importorskip("nemo_run")
     run_dir = tmp_path / "nr"
@@ -197,11 +225,11 @@ def test_device_choice_is_checked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
-    with pytest.raises(ExportInputError, match="parallel.device.*expected 4 visible GPUs, got 2"):
+    with pytest.raises(InputError, match="parallel.device.*expected 4 visible GPUs, got 2"):
         resolve_device("cuda")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert resolve_device("auto") == "cuda"
-    with pytest.raises(ExportInputError, match="unknown device"):
+    with pytest.raises(InputError, match="unknown device"):
         resolve_device("gpu")
     cfg = load_config("deepseek_v3_gpu")
     assert (cfg.parallel.device, cfg.model.dtype, cfg.model.n_experts % 2) == ("cuda", "bfloat16", 1)

@@ -11,7 +11,7 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.recipe.checks import check_config
 from nemo_moe_export.recipe.compose import load_config
 from test_recipe import run_cli
@@ -62,5 +62,5 @@ def test_pipeline_recipe_trains_evaluates_exports_and_verifies(overrides, tmp_pa
       "model.num_layers=6"], "megatron-core cannot split the decoder layers this way"),  # [2, 2, 1, 1]
 ])
 def test_pipeline_settings_are_checked_before_anything_runs(overrides, pattern):
-    with pytest.raises(ExportInputError, match=pattern):
+    with pytest.raises(InputError, match=pattern):
         check_config(load_config("deepseek_v3_tiny", overrides), world_size=4)

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.safetensors_format import (
     DTYPES,
     INDEX_FILE,
@@ -88,11 +88,11 @@ def test_sub_byte_dtypes_count_bits():
     assert data_nbytes("F4", (4,)) == 2 and data_nbytes("F4", (3,)) is None
     assert data_nbytes("F6_E2M3", (4,)) == 3 and data_nbytes("F6_E3M2", (2, 2)) == 3
     assert data_nbytes("F32", ()) == 4 and data_nbytes("F32", (0, 5)) == 0 and data_nbytes("Q8", (1,)) is None
-    with pytest.raises(ExportInputError, match="unsupported safetensors dtype.*torch has no dtype for it"):
+    with pytest.raises(InputError, match="unsupported safetensors dtype.*torch has no dtype for it"):
         torch_dtype("F4", key="w")
-    with pytest.raises(ExportInputError, match="unsupported safetensors dtype"):
+    with pytest.raises(InputError, match="unsupported safetensors dtype"):
         torch_dtype("Q8")
-    with pytest.raises(ExportInputError, match="dtype has no safetensors encoding"):
+    with pytest.raises(InputError, match="dtype has no safetensors encoding"):
         dtype_name(torch.complex128)
 
 
@@ -106,7 +106,7 @@ def test_sub_byte_dtypes_count_bits():
     ],
 )
 def test_malformed_headers_are_named_errors(raw, problem):
-    with pytest.raises(ExportInputError) as info:
+    with pytest.raises(InputError) as info:
         decode_header(io.BytesIO(raw), len(raw), name="model-00001-of-00002.safetensors")
     assert info.value.problem == problem and info.value.key == "model-00001-of-00002.safetensors"
 
@@ -119,7 +119,7 @@ def test_malformed_headers_are_named_errors(raw, problem):
     "F32",
 ])
 def test_malformed_entries_are_refused_by_key(entry):
-    with pytest.raises(ExportInputError, match="malformed safetensors header entry") as info:
+    with pytest.raises(InputError, match="malformed safetensors header entry") as info:
         TensorEntry.from_json("w", entry)
     assert info.value.key == "w"
 
@@ -130,6 +130,6 @@ def test_index_round_trip_and_unreadable_index(tmp_path):
     (tmp_path / INDEX_FILE).write_text(text)
     assert read_weight_map(tmp_path) == {"a": "model-00001-of-00002.safetensors"}
     (tmp_path / INDEX_FILE).write_text('{"metadata": {}}')
-    with pytest.raises(ExportInputError, match="unreadable checkpoint index") as info:
+    with pytest.raises(InputError, match="unreadable checkpoint index") as info:
         read_weight_map(tmp_path)
     assert info.value.key == os.path.join(str(tmp_path), INDEX_FILE)

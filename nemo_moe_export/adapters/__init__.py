@@ -30,7 +30,7 @@ from nemo_moe_export.adapters.protocol import BaseStateDictAdapter, HFShard, Loa
 from nemo_moe_export.adapters.sources import SafetensorsSource, TensorDictSource
 from nemo_moe_export.adapters.tables import TABLES as _TRANSFORMERS_TABLES
 from nemo_moe_export.adapters.tables_megatron import MEGATRON_TABLES
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = [
     "BaseStateDictAdapter",
@@ -63,7 +63,7 @@ def get_table(model_type: str) -> ModelTable:
     for table in TABLES:
         if model_type in table.model_types:
             return table
-    raise ExportInputError(
+    raise InputError(
         "no state-dict adapter for this model_type",
         key=str(model_type),
         expected=f"one of {supported_model_types()}",

@@ -40,7 +40,7 @@ from nemo_moe_export.adapters.fp8 import open_source
 from nemo_moe_export.adapters.passthrough import group_place, read_passthrough, split_extra_keys
 from nemo_moe_export.adapters.protocol import BaseStateDictAdapter, HFShard, LoadReport, TensorMeta
 from nemo_moe_export.adapters.sources import TensorDictSource
-from nemo_moe_export.errors import ExportInputError, current_rank
+from nemo_moe_export.errors import InputError, current_rank
 from nemo_moe_export.placement import LocalBox, local_box
 
 __all__ = ["InMemoryFormat", "KeyRule", "LocalExperts", "ModelTable", "StateDictAdapter", "expert_rules",
@@ -202,7 +202,7 @@ def state_dict_of(model: Any) -> Mapping[str, torch.Tensor]:
     for i, part in enumerate(model_parts(model)):
         for key, tensor in part.state_dict().items():
             if key in merged:
-                raise ExportInputError(
+                raise InputError(
                     "two stage modules of this rank hold the same key", key=key,
                     expected="each key in one stage module", actual=f"also in stage module {i}",
                     hint="each stage keeps only its own layers (embeddings on the first, norm and lm_head "
@@ -246,7 +246,7 @@ class StateDictAdapter(BaseStateDictAdapter):
             value = _cfg_get(config, name, None)
             if value is not None:
                 return int(value)
-        raise ExportInputError(
+        raise InputError(
             "config does not say how many routed experts the model has",
             key=str(_cfg_get(config, "model_type", "?")),
             expected=f"one of the config fields {list(self.table.num_experts_fields)}",
@@ -271,7 +271,7 @@ class StateDictAdapter(BaseStateDictAdapter):
                 continue
             rule, m = self._rule_for(key)
             if rule is None and self.table.require_rule:
-                raise ExportInputError(
+                raise InputError(
                     "no rule maps this in-memory key to an HF name", key=key,
                     expected=f"a key of the table '{self.table.description}'", actual="no rule matched",
                     hint="the model has a module the table does not cover (see docs/design.md#megatron-core-models)",
@@ -305,7 +305,7 @@ class StateDictAdapter(BaseStateDictAdapter):
     @staticmethod
     def _add_meta(out: dict[str, tuple[TensorMeta, str]], hf_key: str, meta: TensorMeta, source_key: str) -> None:
         if hf_key in out:
-            raise ExportInputError(
+            raise InputError(
                 "two in-memory tensors map to the same HF key", key=hf_key,
                 expected="one source", actual=f"a second one, '{source_key}'",
                 hint="the state dict likely holds the same weight under two layouts (fused and grouped)",
@@ -333,35 +333,35 @@ class StateDictAdapter(BaseStateDictAdapter):
         shape = self._rule_shape(key, rule, m, shape)
         if rule.per_expert:
             if len(shape) != 3:
-                raise ExportInputError(
+                raise InputError(
                     "stacked expert tensor must be 3-D [experts, rows, cols]", key=key,
                     expected="3 dims", actual=f"shape {shape}",
                 )
             count = self.num_experts if local is None else len(local.mine)
             if shape[0] != count:
-                raise ExportInputError(
+                raise InputError(
                     "expert count in the tensor disagrees with the config", key=key,
                     expected=f"{count} experts ({'config' if local is None else 'local_expert_indices'})",
                     actual=f"{shape[0]} (shape {shape})",
                     hint="build the adapter from the config the model was created with",
                 )
         elif local is not None and int(m.group("local")) >= len(local.mine):
-            raise ExportInputError("local expert index beyond the experts this rank holds", key=key,
+            raise InputError("local expert index beyond the experts this rank holds", key=key,
                                    expected=f"< {len(local.mine)} (local_expert_indices {list(local.mine)})",
                                    actual=m.group("local"))
         inner = shape[1:] if rule.per_expert else shape
         if len(rule.targets) > 1 and len(inner) <= rule.split_dim:
-            raise ExportInputError(f"cannot split along dim {rule.split_dim}", key=key,
+            raise InputError(f"cannot split along dim {rule.split_dim}", key=key,
                                    expected=f"more than {rule.split_dim} dims", actual=f"shape {shape}")
         self._split_sizes(key, rule, inner)
         if (rule.split_groups or rule.split_units) and (rule.per_expert or rule.transpose):
-            raise ExportInputError("an interleaved split applies to plain, untransposed tensors", key=key,
+            raise InputError("an interleaved split applies to plain, untransposed tensors", key=key,
                                    expected="per_expert=False, transpose=False", actual=rule)
         if rule.transpose and len(inner) != 2:
-            raise ExportInputError("transposed tensor must be 2-D per part", key=key,
+            raise InputError("transposed tensor must be 2-D per part", key=key,
                                    expected="2 dims", actual=f"shape {inner}")
         if rule.rows_field is not None and not 0 < self._config_int(rule.rows_field) <= shape[0]:
-            raise ExportInputError(f"the config's {rule.rows_field} does not fit the tensor's rows", key=key,
+            raise InputError(f"the config's {rule.rows_field} does not fit the tensor's rows", key=key,
                                    expected=f"1..{shape[0]} (the rows, padding included)",
                                    actual=self._config_int(rule.rows_field))
 
@@ -369,7 +369,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         """An MoE layer has every tensor of its layout (both gate/up and down)."""
         needed = [r.source for r in self.table.rules if r.group == group]
         if any(s not in found for s in needed):
-            raise ExportInputError(
+            raise InputError(
                 "MoE layer is missing an expert tensor", key=prefix,
                 expected=f"keys matching {needed}", actual=f"only {sorted(found)}",
             )
@@ -383,14 +383,14 @@ class StateDictAdapter(BaseStateDictAdapter):
         gate_shape = next(s for r, s, _ in metas if len(r.targets) == 2)
         down_shape = next(s for r, s, _ in metas if len(r.targets) == 1)
         if tuple(reversed(down_shape)) != gate_shape:
-            raise ExportInputError(
+            raise InputError(
                 "expert down projection does not match gate/up", key=prefix,
                 expected=f"down {tuple(reversed(gate_shape))} for gate/up {gate_shape} (HF orientation)",
                 actual=f"down {down_shape}",
             )
         dtypes = {d for _, _, d in metas}
         if len(dtypes) > 1:
-            raise ExportInputError("expert tensors of one layer differ in dtype", key=prefix,
+            raise InputError("expert tensors of one layer differ in dtype", key=prefix,
                                    expected="one dtype", actual=sorted(map(str, dtypes)))
 
     # ---- rule geometry: local experts, expert views, interleaved splits (megatron-core) ------------
@@ -400,7 +400,7 @@ class StateDictAdapter(BaseStateDictAdapter):
             return name
         value = _cfg_get(self.text_config, name, None)
         if not isinstance(value, int):
-            raise ExportInputError("the table needs a config field the config does not set", key=name,
+            raise InputError("the table needs a config field the config does not set", key=name,
                                    expected="an integer", actual=repr(value))
         return value
 
@@ -410,7 +410,7 @@ class StateDictAdapter(BaseStateDictAdapter):
             return None
         found = self.local_experts.get(m.group("moe"))
         if found is None:
-            raise ExportInputError(
+            raise InputError(
                 "the adapter does not know which experts this rank holds", key=key,
                 expected=f"the local_expert_indices of MoE module '{m.group('moe')}'",
                 actual=f"known for {sorted(self.local_experts) or 'no module'}",
@@ -418,7 +418,7 @@ class StateDictAdapter(BaseStateDictAdapter):
             )
         every = sorted(e for ids in found.by_ep_rank for e in ids)
         if every != list(range(self.num_experts)) or len({len(ids) for ids in found.by_ep_rank}) != 1:
-            raise ExportInputError(
+            raise InputError(
                 "the EP ranks' local experts do not number every expert exactly once", key=m.group("moe"),
                 expected=f"equal blocks covering 0..{self.num_experts - 1}",
                 actual=f"local_expert_indices by EP rank {[list(i) for i in found.by_ep_rank]}",
@@ -434,7 +434,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         view = [self._config_int(v) for v in rule.experts_view]
         known = n * math.prod(v for v in view if v != -1)
         if len(shape) != 2 or math.prod(shape) % known or view.count(-1) > 1:
-            raise ExportInputError(f"cannot view the tensor as {n} experts of {tuple(view)}", key=key,
+            raise InputError(f"cannot view the tensor as {n} experts of {tuple(view)}", key=key,
                                    expected=f"a 2-D tensor of a multiple of {known} elements",
                                    actual=f"shape {shape}")
         return (n, *(math.prod(shape) // known if v == -1 else v for v in view))
@@ -448,7 +448,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         units = [self._config_int(u) for u in rule.split_units] if rule.split_units else [1] * n
         total = inner[rule.split_dim]
         if total % groups or (total // groups) % sum(units):
-            raise ExportInputError(
+            raise InputError(
                 f"cannot split dim {rule.split_dim} into {groups} groups of parts in proportion {units}",
                 key=key, expected=f"a size divisible by {groups * sum(units)}", actual=f"shape {tuple(inner)}",
             )
@@ -521,7 +521,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         out: dict[str, HFShard] = {}
         for piece in self._pieces(state_dict, plain_replica, merge=True):
             if piece.key in out:
-                raise ExportInputError("two in-memory tensors map to the same HF key", key=piece.key,
+                raise InputError("two in-memory tensors map to the same HF key", key=piece.key,
                                        expected=out[piece.key].source_key, actual=piece.source_key)
             out[piece.key] = piece
         return out
@@ -582,14 +582,14 @@ class StateDictAdapter(BaseStateDictAdapter):
         have = src.keys() - elsewhere
         missing = sorted(set(expected) - have)
         if missing:
-            raise ExportInputError(
+            raise InputError(
                 f"{len(missing)} HF keys the model needs are missing from the checkpoint",
                 key=missing[0], expected="present", actual=f"missing (all missing: {_preview(missing)})",
                 hint="check that the checkpoint matches the config (expert count, layer count)",
             )
         kept, extra = split_extra_keys(have - set(expected), expected) if passthrough else ([], sorted(have - set(expected)))
         if extra and strict:
-            raise ExportInputError(
+            raise InputError(
                 f"{len(extra)} checkpoint keys have no place in the model",
                 key=extra[0], expected=f"only the model's {len(expected)} keys",
                 actual=f"also {_preview(extra)}",
@@ -614,16 +614,16 @@ def _check_stored_tensor(key: str, meta: TensorMeta, src: Any, *, allow_dtype_ca
     """The stored tensor has the model's shape, and its dtype or one ``from_hf`` may convert from."""
     got = src.meta(key)
     if got.shape != meta.shape:
-        raise ExportInputError("checkpoint tensor has the wrong shape", key=key,
+        raise InputError("checkpoint tensor has the wrong shape", key=key,
                                expected=meta.shape, actual=got.shape)
     dequantized = getattr(src, "dequantizes", lambda _: False)(key)
     if dequantized and not meta.dtype.is_floating_point:
-        raise ExportInputError("an FP8 weight can only fill a floating-point tensor", key=key,
+        raise InputError("an FP8 weight can only fill a floating-point tensor", key=key,
                                expected="a floating-point model tensor", actual=meta.dtype)
     if got.dtype != meta.dtype and not dequantized and not (
         allow_dtype_cast and got.dtype.is_floating_point and meta.dtype.is_floating_point
     ):
-        raise ExportInputError(
+        raise InputError(
             "checkpoint tensor has the wrong dtype", key=key, expected=meta.dtype, actual=got.dtype,
             hint="pass allow_dtype_cast=True to cast floating-point weights to the model's dtype",
         )
@@ -685,7 +685,7 @@ def _leading_rows(box: LocalBox, rows: int) -> LocalBox:
 def _viewed(key: str, box: LocalBox, shape: tuple[int, ...]) -> LocalBox:
     """``box`` with its (whole) tensor viewed as ``shape``: a view, so loads write through."""
     if any(box.offsets) or tuple(box.local.shape) != box.global_shape:
-        raise ExportInputError("a tensor the table views as experts must be whole on each rank", key=key,
+        raise InputError("a tensor the table views as experts must be whole on each rank", key=key,
                                expected=f"the whole {box.global_shape}",
                                actual=f"{tuple(box.local.shape)} at {box.offsets}")
     return dataclasses.replace(box, global_shape=shape, offsets=(0,) * len(shape), local=box.local.view(shape))

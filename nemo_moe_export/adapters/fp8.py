@@ -28,7 +28,7 @@ import torch
 
 from nemo_moe_export.adapters.protocol import TensorMeta
 from nemo_moe_export.adapters.sources import SafetensorsSource
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = ["E4M3_MAX", "FP8_BLOCK", "FP8_DTYPE", "SCALE_SUFFIX", "Fp8BlockSource", "block_scales", "fp8_block_size",
            "official_quantization_config", "open_source", "quantize_block_fp8", "quantize_with_scales"]
@@ -55,18 +55,18 @@ def fp8_block_size(checkpoint_dir: str) -> tuple[int, int] | None:
     if not quant:
         return None
     if not isinstance(quant, dict):
-        raise ExportInputError("quantization_config is not an object", key=f"{path}: quantization_config",
+        raise InputError("quantization_config is not an object", key=f"{path}: quantization_config",
                                expected='e.g. {"quant_method": "fp8", "weight_block_size": [128, 128]}',
                                actual=repr(quant))
     method, fmt, block = quant.get("quant_method"), quant.get("fmt", "e4m3"), quant.get("weight_block_size")
     if method != "fp8":
-        raise ExportInputError("unsupported quantization method", key="quantization_config.quant_method",
+        raise InputError("unsupported quantization method", key="quantization_config.quant_method",
                                expected="'fp8' (block-quantized)", actual=repr(method))
     if fmt != "e4m3":
-        raise ExportInputError("unsupported FP8 format", key="quantization_config.fmt", expected="'e4m3'",
+        raise InputError("unsupported FP8 format", key="quantization_config.fmt", expected="'e4m3'",
                                actual=repr(fmt))
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise ExportInputError("unsupported FP8 block size", key="quantization_config.weight_block_size",
+        raise InputError("unsupported FP8 block size", key="quantization_config.weight_block_size",
                                expected="two positive integers, e.g. [128, 128]", actual=block)
     return int(block[0]), int(block[1])
 
@@ -77,11 +77,11 @@ def _read_config(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except (OSError, ValueError) as exc:
-        raise ExportInputError("unreadable config.json", key=path, expected="a JSON object",
+        raise InputError("unreadable config.json", key=path, expected="a JSON object",
                                actual=f"{type(exc).__name__}: {exc}",
                                hint="re-copy the checkpoint's config.json") from exc
     if not isinstance(config, dict):
-        raise ExportInputError("config.json is not a JSON object", key=path, expected="a JSON object",
+        raise InputError("config.json is not a JSON object", key=path, expected="a JSON object",
                                actual=type(config).__name__)
     return config
 
@@ -100,21 +100,21 @@ class Fp8BlockSource:
                 continue
             scale_key = key + SCALE_SUFFIX
             if scale_key not in keys:
-                raise ExportInputError("FP8 weight without its scale", key=key, expected=f"a '{scale_key}' tensor",
+                raise InputError("FP8 weight without its scale", key=key, expected=f"a '{scale_key}' tensor",
                                        actual="missing", hint="the checkpoint is incomplete or not block-quantized")
             if len(meta.shape) != 2:
-                raise ExportInputError("FP8 block quantization needs 2-D weights", key=key, expected="2 dims",
+                raise InputError("FP8 block quantization needs 2-D weights", key=key, expected="2 dims",
                                        actual=f"shape {meta.shape}")
             expected = (math.ceil(meta.shape[0] / block[0]), math.ceil(meta.shape[1] / block[1]))
             got = inner.meta(scale_key)
             if got.shape != expected:
-                raise ExportInputError(
+                raise InputError(
                     "FP8 scale has the wrong shape", key=scale_key,
                     expected=f"{expected} for weight {meta.shape} with blocks {list(block)}", actual=got.shape)
             self._quantized.add(key)
         orphans = sorted(s for s in self._scales if s[: -len(SCALE_SUFFIX)] not in self._quantized)
         if orphans:
-            raise ExportInputError("FP8 scale without an FP8 weight", key=orphans[0],
+            raise InputError("FP8 scale without an FP8 weight", key=orphans[0],
                                    expected="a float8_e4m3fn weight beside each scale", actual=f"{len(orphans)} orphan scale(s)")
 
     @property
@@ -158,7 +158,7 @@ def open_source(path: str | os.PathLike[str]) -> Any:
     if block is None:
         if any(k.endswith(SCALE_SUFFIX) for k in inner.keys()):
             inner.close()
-            raise ExportInputError("checkpoint has FP8 scales but config.json declares no quantization",
+            raise InputError("checkpoint has FP8 scales but config.json declares no quantization",
                                    key=os.path.join(path, "config.json"),
                                    expected="quantization_config with quant_method 'fp8'", actual="none")
         return inner

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_moe_export.adapters.protocol import HFShard, TensorMeta
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.placement import get_sharded_expert_range, local_box
 
 __all__ = ["extra_metadata", "extra_pieces", "group_place", "read_passthrough", "split_extra_keys"]
@@ -91,7 +91,7 @@ def extra_pieces(extra: Mapping[str, Any], plain_replica: tuple[int, int]) -> di
     for key, value in extra.items():
         if isinstance(value, HFShard):
             if value.key != key:
-                raise ExportInputError("an extra tensor is filed under another name", key=key,
+                raise InputError("an extra tensor is filed under another name", key=key,
                                        expected=f"the piece's own key {value.key!r}", actual=repr(key))
             out[key] = value
         elif torch.is_tensor(value):
@@ -99,7 +99,7 @@ def extra_pieces(extra: Mapping[str, Any], plain_replica: tuple[int, int]) -> di
             out[key] = HFShard(key, box.global_shape, box.offsets, box.local, box.primary, key,
                                replica=box.replica, replicas=box.replicas)
         else:
-            raise ExportInputError("extra tensors must be tensors, DTensors or HFShards", key=key,
+            raise InputError("extra tensors must be tensors, DTensors or HFShards", key=key,
                                    expected="torch.Tensor | DTensor | HFShard", actual=type(value).__name__)
     return out
 

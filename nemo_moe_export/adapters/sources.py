@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from nemo_moe_export.adapters.protocol import TensorMeta
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.safetensors_format import INDEX_FILE, SINGLE_FILE, check_file, read_weight_map, torch_dtype
 
 __all__ = ["SafetensorsSource", "TensorDictSource", "box_slices"]
@@ -43,7 +43,7 @@ class SafetensorsSource:
 
     def _file_of_each_key(self, path: str) -> dict[str, str]:
         if not os.path.exists(path):
-            raise ExportInputError("checkpoint not found", key=path,
+            raise InputError("checkpoint not found", key=path,
                                    expected="a checkpoint directory or a .safetensors file", actual="no such path")
         if not os.path.isdir(path):
             return self._keys_of(path)
@@ -51,7 +51,7 @@ class SafetensorsSource:
             return {k: os.path.join(path, v) for k, v in read_weight_map(path).items()}
         single = os.path.join(path, SINGLE_FILE)
         if not os.path.lexists(single):
-            raise ExportInputError("no safetensors checkpoint found", key=path,
+            raise InputError("no safetensors checkpoint found", key=path,
                                    expected=f"{INDEX_FILE} or {SINGLE_FILE}", actual=sorted(os.listdir(path)))
         return self._keys_of(single)
 
@@ -63,14 +63,14 @@ class SafetensorsSource:
         naming it, the key and the problem rather than the library's own terse message."""
         if file not in self._handles:
             if not os.path.lexists(file):
-                raise ExportInputError(
+                raise InputError(
                     "checkpoint index points at a missing file", key=file, expected="file exists",
                     actual="missing",
                 )
             check = check_file(file)
             if check.problems:
                 more = f" (and {len(check.problems) - 1} more problem(s))" if len(check.problems) > 1 else ""
-                raise ExportInputError(
+                raise InputError(
                     "malformed safetensors file", key=file, expected="a file the safetensors library can open",
                     actual=check.problems[0] + more,
                     hint="re-export or re-copy it; `nemo-moe-export verify DIR` lists every problem",
@@ -78,7 +78,7 @@ class SafetensorsSource:
             try:
                 handle = safe_open(file, framework="pt", device="cpu")
             except (OSError, SafetensorError) as exc:  # a rule check_file does not know: still name the file
-                raise ExportInputError("safetensors cannot open the file", key=file,
+                raise InputError("safetensors cannot open the file", key=file,
                                        expected="a readable safetensors file", actual=f"{type(exc).__name__}: {exc}",
                                        ) from exc
             self._handles[file] = self._stack.enter_context(handle)
@@ -90,15 +90,15 @@ class SafetensorsSource:
     def meta(self, key: str) -> TensorMeta:
         handle = self._handle(self._files[key])
         if key not in handle.keys():
-            raise ExportInputError(
+            raise InputError(
                 "checkpoint index lists a key its file does not hold",
                 key=key, expected=f"key in {os.path.basename(self._files[key])}", actual="absent",
             )
         sl = handle.get_slice(key)
         try:
             dtype = torch_dtype(sl.get_dtype(), key=key)
-        except ExportInputError as exc:  # a format dtype torch cannot hold (F4, F6_*): say where
-            raise ExportInputError(exc.problem, key=key, expected=exc.expected,
+        except InputError as exc:  # a format dtype torch cannot hold (F4, F6_*): say where
+            raise InputError(exc.problem, key=key, expected=exc.expected,
                                    actual=f"{exc.actual} in {self._files[key]}", hint=exc.hint) from None
         return TensorMeta(tuple(sl.get_shape()), dtype)
 

@@ -1,9 +1,12 @@
-"""MMLU evaluation as lm-evaluation-harness defines it: data loading, prompts, tokenization, scoring.
+"""Multiple-choice evaluation as lm-evaluation-harness defines it (MMLU by default): data loading,
+prompts, tokenization, scoring.
 
-The task is data (:mod:`.data`, :mod:`.prompts`, :mod:`.scoring`: single-process and
-deterministic, so they can be checked against lm-eval's definition in isolation); the engine runs
+The task is data (:mod:`.task`: a YAML file in lm-eval's words, ``tasks/mmlu.yaml`` and
+``tasks/arc_challenge.yaml`` packaged; :mod:`.data`, :mod:`.prompts`, :mod:`.scoring`:
+single-process and deterministic, so they can be checked against lm-eval's definition in
+isolation); the engine runs
 it over any parallel layout, one module per step: :mod:`.prepare` (tokenize and validate),
-:mod:`.prefixes` (the k-shot prefix a subject's rows share), :mod:`.planning` (batches and
+:mod:`.prefixes` (the k-shot prefix a subject's rows share), :mod:`.batching` (batches and
 who runs what), :mod:`.runner` (one forward),
 :mod:`.results` (per-question records), driven by :mod:`.evaluator`. :mod:`.options` holds every
 default; :mod:`.callback` wraps the driver for training loops.
@@ -21,7 +24,7 @@ from nemo_moe_export.evaluate.data import (
 )
 from nemo_moe_export.evaluate.evaluator import MMLUStepError, evaluate_mmlu, phase_coordinator
 from nemo_moe_export.evaluate.options import POLICIES, SCORING_MODES, MMLUOptions
-from nemo_moe_export.evaluate.planning import Batch, StepPlan, default_tokens_per_batch, plan_batches, plan_steps
+from nemo_moe_export.evaluate.batching import Batch, StepPlan, default_tokens_per_batch, plan_batches, plan_steps
 from nemo_moe_export.evaluate.prefixes import SharedPrefix, find_shared_prefixes
 from nemo_moe_export.evaluate.prepare import PreparedQuestions, Row, default_max_length, prepare_questions
 from nemo_moe_export.evaluate.prompts import (
@@ -36,6 +39,7 @@ from nemo_moe_export.evaluate.prompts import (
     truncate_left,
 )
 from nemo_moe_export.evaluate.results import MMLUResult
+from nemo_moe_export.evaluate.task import PACKAGED_TASKS, Task, load_questions, load_task
 from nemo_moe_export.evaluate.scoring import (
     aggregate,
     batch_continuation_logprobs,
@@ -52,12 +56,14 @@ __all__ = [
     "MMLUOptions",
     "MMLUResult",
     "MMLUStepError",
+    "PACKAGED_TASKS",
     "POLICIES",
     "PreparedQuestions",
     "Row",
     "SCORING_MODES",
     "SharedPrefix",
     "StepPlan",
+    "Task",
     "default_max_length",
     "default_tokens_per_batch",
     "evaluate_mmlu",
@@ -80,6 +86,8 @@ __all__ = [
     "encode_request",
     "group_by_subject",
     "load_mmlu",
+    "load_questions",
+    "load_task",
     "multi_token_answers",
     "predict",
     "question_record",

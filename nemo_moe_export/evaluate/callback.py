@@ -1,16 +1,19 @@
-"""MMLU during training: a callback any training loop can call, on every rank.
+"""MMLU (or any evaluation task) during training: a callback any training loop can call, on every rank.
 
 :class:`MMLUCallback` is a :class:`~nemo_moe_export.hooks.Hook` and knows nothing about the
 trainer: the loop calls ``on_step_end(ctx, step)`` after each optimizer step and
 ``on_train_end(ctx)`` once at the end, on every rank (the evaluation is collective), with the
 :class:`~nemo_moe_export.hooks.RecipeContext` holding the model, tokenizer and layout
 (docs/design.md#hooks); ``evaluate(model, tokenizer, layout)`` runs one evaluation directly.
-Data is loaded and tokenized once, on the first evaluation, and reused; bad data, unknown
-subjects or a k larger than a subject's dev split raise
-:class:`~nemo_moe_export.errors.ExportInputError` there, on every rank, before any collective.
+What it evaluates is ``options.task`` (docs/design.md#evaluation-tasks): MMLU by default, a
+packaged task by name (``task="arc_challenge"``) or a task YAML by path, its data under
+``data_path``. Data is loaded and tokenized once, on the first evaluation, and reused; bad data,
+unknown subjects or a k larger than a subject's dev split raise
+:class:`~nemo_moe_export.errors.InputError` there, on every rank, before any collective.
 
 On global rank 0 each evaluation writes its results JSON, markdown table and charts into
-``output_dir`` (:mod:`.outputs`; ``plot=False`` skips the charts); the history chart carries the
+``output_dir``, named after the task (:mod:`.outputs`: ``mmlu_results.json``,
+``arc_challenge_results.json``; ``plot=False`` skips the charts); the history chart carries the
 training loss when the loop records it in ``ctx.results["train_loss"]`` (``[step, loss]`` pairs, as
 the recipe's trainer and the Lightning integration do).
 
@@ -18,8 +21,10 @@ It also logs the metrics (``logging``, logger ``nemo_moe_export.evaluate.callbac
 progress bar (tqdm when importable, plain lines otherwise) and passes the flat metrics, with the
 training step, to ``log_fn(metrics, step)`` if given and to every metrics logger added with
 :meth:`MMLUCallback.add_metrics_logger` (the Lightning/NeMo integration adds the trainer's own
-loggers, so TensorBoard or W&B show MMLU next to the loss). The flat metrics are also returned, on
-every rank.
+loggers, so TensorBoard or W&B show MMLU next to the loss); they are named after the task
+(``mmlu/acc``, ``arc_challenge/acc_norm``). The flat metrics are also returned, on every rank.
+``ctx.results`` keeps its keys (``"mmlu"``, ``"mmlu_during_training"``) whatever the task: they are
+the evaluation's slots, which the recipe and the integrations read.
 """
 
 from __future__ import annotations
@@ -29,9 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-
-from nemo_moe_export.errors import ExportInputError
-from nemo_moe_export.evaluate.data import Question, load_mmlu, normalize_split
+from nemo_moe_export.errors import InputError
+from nemo_moe_export.evaluate.data import Question, normalize_split
 from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator
 from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.prepare import (
@@ -42,6 +46,7 @@ from nemo_moe_export.evaluate.prepare import (
 )
 from nemo_moe_export.evaluate.outputs import log_summary, write_outputs
 from nemo_moe_export.evaluate.results import MMLUResult
+from nemo_moe_export.evaluate.task import Task, load_questions, load_task
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
 
@@ -52,7 +57,7 @@ LOSS_HISTORY_KEY = "train_loss"
 
 
 def spread_subset(questions: Sequence[Question], limit: int | None) -> list[Question]:
-    """At most ``limit`` questions, taken evenly across subjects (first of each subject, then second
+    """At most ``limit`` questions, taken evenly across subjects (groups: first of each, then second
     of each, ...), in their original order. A cap that kept only the first subjects would turn a
     quick check into a single-topic score."""
     if limit is None or limit >= len(questions):
@@ -62,7 +67,7 @@ def spread_subset(questions: Sequence[Question], limit: int | None) -> list[Ques
 
 
 class MMLUCallback(Hook):
-    """Evaluate MMLU every ``every_n_steps`` steps and/or at the end of training.
+    """Evaluate MMLU (or ``options.task``) every ``every_n_steps`` steps and/or at the end of training.
 
     What is evaluated and how is :class:`~nemo_moe_export.evaluate.options.MMLUOptions`:
     ``options`` (an ``MMLUOptions``, a config node such as the recipe's ``mmlu`` group, or a
@@ -92,6 +97,7 @@ class MMLUCallback(Hook):
         if "split" in overrides:  # the data loader's aliases ("val") are accepted here as they were
             overrides["split"] = normalize_split(overrides["split"])
         self.options = MMLUOptions.of(options, **overrides)
+        self.task: Task = load_task(self.options.task)
         _require(self.options.policy != "naive", "policy", "'lockstep' or 'expert_dp' (naive hangs under EP/FSDP)",
                  self.options.policy)
         self.data_path = Path(data_path)
@@ -159,10 +165,14 @@ class MMLUCallback(Hook):
 
     def _prepare(self, model: Any, tokenizer: Any) -> PreparedQuestions:
         """Load and tokenize once per (tokenizer, max_length); deterministic, so equal on all ranks."""
-        o = self.options
+        o, task = self.options, self.task
         if self._data is None:
-            loaded = load_mmlu(self.data_path, splits=("dev", o.split), subjects=o.subjects)
-            dev = [q for q in loaded if q.split == "dev"]
+            # the few-shot split is read whenever the task samples one (MMLU's dev, even for 0-shot)
+            samples = task.fewshot_split is not None and task.fewshot_sampler == "first_n"
+            fewshot = normalize_split(task.fewshot_split) if samples else None
+            loaded = load_questions(task, self.data_path, splits=(*([fewshot] if fewshot else []), o.split),
+                                    subjects=o.subjects)
+            dev = [q for q in loaded if q.split == fewshot]
             evaluated = spread_subset([q for q in loaded if q.split == o.split], o.max_questions)
             self._data = (dev, evaluated)
         max_length = o.max_length or default_max_length(model, tokenizer)
@@ -171,7 +181,7 @@ class MMLUCallback(Hook):
             dev, evaluated = self._data
             prepared = prepare_questions(
                 tokenizer, evaluated, dev, k_shot=o.k_shot, max_length=max_length, scoring=o.scoring,
-                vocab_size=model_vocab_size(model))
+                vocab_size=model_vocab_size(model), task=task)
             self._prepared = (key, prepared)
         return self._prepared[1]
 
@@ -191,7 +201,7 @@ class MMLUCallback(Hook):
         if is_global_rank0():
             try:
                 self.write_outputs(result, step)
-                log_summary(result, step)
+                log_summary(result, step, self.task)
                 for log in ([self.log_fn] if self.log_fn is not None else []) + self.metrics_loggers:
                     log(metrics, step)
             except Exception as exc:  # reported on every rank by the agreement
@@ -199,15 +209,17 @@ class MMLUCallback(Hook):
         try:
             coordinator.agree("write results", error)
         except PeerError as exc:
-            raise PeerError(f"MMLU results could not be published: {exc}", step=exc.step, ranks=exc.ranks) from exc
+            raise PeerError(f"{self.task.display_name} results could not be published: {exc}", step=exc.step,
+                            ranks=exc.ranks) from exc
 
     def write_outputs(self, result: MMLUResult, step: int | None) -> dict[str, Path]:
         """Write the JSON, markdown and (unless ``plot`` is off) PNG files; their paths."""
         run = {"step": step, "data_path": str(self.data_path), "split": self.options.split,
                "k_shot": self.options.k_shot}
-        return write_outputs(self.output_dir, result, run, self.history, self.loss_history, plot=self.options.plot)
+        return write_outputs(self.output_dir, result, run, self.history, self.loss_history, plot=self.options.plot,
+                             task=self.task)
 
 
 def _require(ok: bool, key: str, expected: str, actual: Any) -> None:
     if not ok:
-        raise ExportInputError("bad MMLUCallback argument", key=key, expected=expected, actual=repr(actual))
+        raise InputError("bad MMLUCallback argument", key=key, expected=expected, actual=repr(actual))

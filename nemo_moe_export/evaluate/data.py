@@ -18,7 +18,11 @@ alias) and ``test``. ``Question.index`` is the 0-based position of a question wi
 (subject, split), in file order: the few-shot examples are "the first k of the dev split", so this
 order is part of the benchmark definition.
 
-Every malformed input raises :class:`~nemo_moe_export.errors.ExportInputError` naming the file,
+The subject -> category table is read from the packaged MMLU task file (``tasks/mmlu.yaml``), and
+:func:`read_records` reads the ``.jsonl`` / ``.parquet`` records of other tasks (:mod:`.task`) with
+the same errors.
+
+Every malformed input raises :class:`~nemo_moe_export.errors.InputError` naming the file,
 the line or row, what was expected and what was found: a byte that is not UTF-8 (file, row and
 byte offset), a file that cannot be read (a directory or a dangling link under a data file's name),
 and a data file with no questions, which would otherwise silently drop its subject from the score
@@ -33,11 +37,13 @@ import io
 import json
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nemo_moe_export.errors import ExportInputError
+import yaml
+
+from nemo_moe_export.errors import InputError
 
 __all__ = [
     "CATEGORIES",
@@ -49,6 +55,7 @@ __all__ = [
     "group_by_subject",
     "load_mmlu",
     "normalize_split",
+    "read_records",
     "require_dev_examples",
 ]
 
@@ -60,37 +67,16 @@ _SPLIT_ALIASES = {"dev": "dev", "val": "validation", "validation": "validation",
 _SPLIT_FILE_NAMES = {"dev": ("dev",), "validation": ("val", "validation"), "test": ("test",),
                      "train": ("train", "auxiliary_train")}
 
-CATEGORIES: tuple[str, ...] = ("stem", "humanities", "social_sciences", "other")
+def _mmlu_categories() -> dict[str, tuple[str, ...]]:
+    """lm-eval's grouping of the 57 subjects (``tag: mmlu_{category}_tasks`` of
+    lm_eval/tasks/mmlu/default/mmlu_*.yaml, v0.4.13), read from the packaged task file
+    ``tasks/mmlu.yaml``, its one copy (docs/design.md#mmlu-definition)."""
+    data = yaml.safe_load((Path(__file__).with_name("tasks") / "mmlu.yaml").read_text(encoding="utf-8"))
+    return {category: tuple(subjects) for category, subjects in data["categories"].items()}
 
-# lm-eval's grouping (lm_eval/tasks/mmlu/default/mmlu_*.yaml "tag": mmlu_{category}_tasks, v0.4.13);
-# the grouping of docs/design.md#mmlu-definition. 19 + 13 + 12 + 13 = 57 subjects.
-_CATEGORY_SUBJECTS: dict[str, tuple[str, ...]] = {
-    "stem": (
-        "abstract_algebra", "anatomy", "astronomy", "college_biology", "college_chemistry",
-        "college_computer_science", "college_mathematics", "college_physics", "computer_security",
-        "conceptual_physics", "electrical_engineering", "elementary_mathematics",
-        "high_school_biology", "high_school_chemistry", "high_school_computer_science",
-        "high_school_mathematics", "high_school_physics", "high_school_statistics",
-        "machine_learning",
-    ),
-    "humanities": (
-        "formal_logic", "high_school_european_history", "high_school_us_history",
-        "high_school_world_history", "international_law", "jurisprudence", "logical_fallacies",
-        "moral_disputes", "moral_scenarios", "philosophy", "prehistory", "professional_law",
-        "world_religions",
-    ),
-    "social_sciences": (
-        "econometrics", "high_school_geography", "high_school_government_and_politics",
-        "high_school_macroeconomics", "high_school_microeconomics", "high_school_psychology",
-        "human_sexuality", "professional_psychology", "public_relations", "security_studies",
-        "sociology", "us_foreign_policy",
-    ),
-    "other": (
-        "business_ethics", "clinical_knowledge", "college_medicine", "global_facts", "human_aging",
-        "management", "marketing", "medical_genetics", "miscellaneous", "nutrition",
-        "professional_accounting", "professional_medicine", "virology",
-    ),
-}
+
+_CATEGORY_SUBJECTS: dict[str, tuple[str, ...]] = _mmlu_categories()
+CATEGORIES: tuple[str, ...] = tuple(_CATEGORY_SUBJECTS)  # stem, humanities, social_sciences, other
 
 SUBJECT_CATEGORIES: dict[str, str] = {
     subject: category for category, subjects in _CATEGORY_SUBJECTS.items() for subject in subjects
@@ -109,14 +95,16 @@ def category_of(subject: str) -> str:
 
 @dataclass(frozen=True)
 class Question:
-    """One MMLU item, fields as strings exactly as published."""
+    """One evaluated document: an MMLU item, fields as strings exactly as published, or a record of
+    another task (:mod:`.task`) with its group, text, choices and gold index as the task reads them."""
 
-    subject: str
+    subject: str  # the aggregation group: MMLU's subject, else the task's group_by field or its name
     question: str
-    choices: tuple[str, str, str, str]
-    answer: int  # 0-3, index into choices / LETTERS
-    split: str  # canonical: "dev", "validation" or "test"
+    choices: tuple[str, ...]  # MMLU: the four answer texts; other tasks: doc_to_choice
+    answer: int  # index of the gold choice (MMLU: 0-3, into choices / LETTERS)
+    split: str  # canonical: "dev", "validation", "test" (or "train")
     index: int  # 0-based position within (subject, split), file order
+    doc: Any = field(default=None, compare=False, repr=False)  # the record a non-MMLU task's templates read
 
 
 def normalize_split(split: str) -> str:
@@ -124,7 +112,7 @@ def normalize_split(split: str) -> str:
     try:
         return _SPLIT_ALIASES[split]
     except KeyError:
-        raise ExportInputError(
+        raise InputError(
             "unknown MMLU split", key="split", expected=f"one of {sorted(_SPLIT_ALIASES)}",
             actual=repr(split),
         ) from None
@@ -138,30 +126,30 @@ def group_by_subject(questions: Iterable[Question]) -> dict[str, list[Question]]
     return out
 
 
-def require_dev_examples(dev: Sequence[Question], subjects: Iterable[str], k: int) -> None:
+def require_dev_examples(dev: Sequence[Question], subjects: Iterable[str], k: int, pool_split: str = "dev") -> None:
     """Refuse ``k`` larger than any needed subject's dev split before any prompt is built.
 
     lm-eval asserts the same (``FirstNSampler``); failing up front names every short subject at once
     instead of stopping at the first prompt.
     """
     if k < 0:
-        raise ExportInputError("few-shot count must be >= 0", key="k", expected=">= 0", actual=k)
+        raise InputError("few-shot count must be >= 0", key="k", expected=">= 0", actual=k)
     sizes = {s: 0 for s in subjects}
     for q in dev:
-        if q.split != "dev":
-            raise ExportInputError(
-                "few-shot pool must come from the dev split", key=q.subject, expected="dev",
+        if q.split != pool_split:
+            raise InputError(
+                f"few-shot pool must come from the {pool_split} split", key=q.subject, expected=pool_split,
                 actual=q.split,
             )
         if q.subject in sizes:
             sizes[q.subject] += 1
     short = {s: n for s, n in sizes.items() if n < k}
     if short:
-        raise ExportInputError(
+        raise InputError(
             f"k={k} few-shot examples requested but the dev split of {len(short)} subject(s) is "
             "smaller", key="k", expected=f">= {k} dev questions per subject",
             actual=", ".join(f"{s}: {n}" for s, n in sorted(short.items())),
-            hint="lower k or load the dev split for these subjects",
+            hint=f"lower k or load the {pool_split} split for these subjects",
         )
 
 
@@ -188,7 +176,7 @@ def load_mmlu(
     """
     root = Path(path)
     if not root.is_dir():
-        raise ExportInputError(
+        raise InputError(
             "MMLU data directory not found", key=str(root), expected="an existing directory",
             actual="missing" if not root.exists() else "a file",
         )
@@ -228,14 +216,14 @@ def _number(rows: Iterable[_Raw], split: str) -> Iterator[Question]:
 def _check_choices(raw: _Raw, allow_empty: bool) -> None:
     """Refuse empty questions and (unless allowed) empty choices."""
     if not raw.question.strip():
-        raise ExportInputError(
+        raise InputError(
             f"empty question in {raw.where}", key=raw.subject, expected="non-empty text",
             actual=repr(raw.question),
         )
     if not allow_empty:
         empty = [LETTERS[i] for i, c in enumerate(raw.choices) if c == ""]
         if empty:
-            raise ExportInputError(
+            raise InputError(
                 f"empty choice(s) {', '.join(empty)} in {raw.where}", key=raw.subject,
                 expected="4 non-empty choices", actual=list(raw.choices),
                 hint="check for a missing or shifted column; pass allow_empty_choices=True if the "
@@ -249,7 +237,7 @@ def _check_subjects(subjects: Sequence[str], by_split: dict[str, list[_Raw]]) ->
         available = sorted({r.subject for r in rows})
         missing = [s for s in subjects if s not in set(available)]
         if missing:
-            raise ExportInputError(
+            raise InputError(
                 f"subject(s) not found in the {split} split", key="subjects",
                 expected=f"some of {available}", actual=missing,
             )
@@ -265,7 +253,7 @@ def _detect_layout(root: Path) -> Callable[[Path, str, bool], list[_Raw]]:
         return _read_jsonl_split
     if any(root.glob("*/*.parquet")):
         return _read_parquet_split
-    raise ExportInputError(
+    raise InputError(
         "no MMLU data found", key=str(root),
         expected="{dev,val,test}/{subject}_{split}.csv, {split}.jsonl, {split}/*.jsonl, "
         "{subject|all}/{split}-*.parquet or a datasets save_to_disk folder",
@@ -273,8 +261,8 @@ def _detect_layout(root: Path) -> Callable[[Path, str, bool], list[_Raw]]:
     )
 
 
-def _missing_split(root: Path, split: str, looked_for: str) -> ExportInputError:
-    return ExportInputError(
+def _missing_split(root: Path, split: str, looked_for: str) -> InputError:
+    return InputError(
         f"MMLU {split} split not found under {root}", key=split, expected=looked_for,
         actual=sorted(p.name for p in root.iterdir())[:20],
     )
@@ -289,7 +277,7 @@ def _read_bytes(path: Path) -> bytes:
         return path.read_bytes()
     except OSError as e:
         kind = "a dangling symbolic link" if path.is_symlink() and not path.exists() else type(e).__name__
-        raise ExportInputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable file",
+        raise InputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable file",
                                actual=f"{kind}: {e.strerror or e}") from e
 
 
@@ -300,7 +288,7 @@ def _decode(path: Path, data: bytes, row_of: Callable[[str], int]) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         before = data[: e.start].decode("utf-8")
-        raise ExportInputError(
+        raise InputError(
             f"non-UTF-8 byte in {path} row {row_of(before)} (line {before.count(chr(10)) + 1})", key=str(path),
             expected="UTF-8 text", actual=f"byte 0x{data[e.start]:02x} at offset {e.start}",
             hint="re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)",
@@ -314,7 +302,7 @@ def _require_questions(path: Path, count: int, allow_empty: bool) -> None:
         return
     message = f"MMLU data file {path} holds no questions"
     if not allow_empty:
-        raise ExportInputError(message, key=str(path), expected="at least one question", actual="none",
+        raise InputError(message, key=str(path), expected="at least one question", actual="none",
                                hint="restore the file, remove it, or pass allow_empty_files=True to skip it "
                                     "with a warning")
     warnings.warn(message + ": its subject contributes nothing to this split", stacklevel=4)
@@ -369,7 +357,7 @@ def _read_csv_file(path: Path, subject: str) -> list[_Raw]:
                 continue
             where = f"{path} row {row_no} (line {reader.line_num})"
             if len(row) != 6:
-                raise ExportInputError(
+                raise InputError(
                     f"wrong column count in {where}", key=subject,
                     expected="6 columns: question,A,B,C,D,answer", actual=f"{len(row)}: {row!r}",
                     hint="fields with commas, quotes or newlines must be double-quoted",
@@ -377,7 +365,7 @@ def _read_csv_file(path: Path, subject: str) -> list[_Raw]:
             answer = _parse_answer(row[5], where, subject)
             out.append(_Raw(subject, row[0], (row[1], row[2], row[3], row[4]), answer, where))
     except csv.Error as e:
-        raise ExportInputError(
+        raise InputError(
             f"malformed CSV in {path} near line {reader.line_num}", key=subject,
             expected="RFC 4180 CSV", actual=str(e),
         ) from e
@@ -411,17 +399,38 @@ def _read_jsonl_split(root: Path, split: str, allow_empty: bool) -> list[_Raw]:
             if not line.strip():
                 continue
             where = f"{f} line {line_no}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ExportInputError(
-                    f"invalid JSON in {where}", expected="one JSON object per line",
-                    actual=str(e),
-                ) from e
-            found.append(_raw_from_record(obj, where))
+            found.append(_raw_from_record(_json_line(line, where), where))
         _require_questions(f, len(found), allow_empty)
         rows.extend(found)
     return rows
+
+
+def read_records(path: Path) -> list[tuple[dict[str, Any], str]]:
+    """Every record of a ``.jsonl`` or ``.parquet`` file with where it is (file and line or row), for
+    tasks read as records (:mod:`.task`); the same errors as MMLU's files."""
+    if path.suffix == ".parquet":
+        _require_pyarrow(f"the parquet file {path}")
+        import pyarrow.parquet as pq
+
+        found = [(rec, f"{path} row {i}") for i, rec in enumerate(_read_table(path, pq.read_table, path).to_pylist())]
+    else:
+        text = _decode(path, _read_bytes(path), lambda before: before.count("\n") + 1)
+        found = []
+        for line_no, line in enumerate(io.StringIO(text, newline=None), start=1):
+            if line.strip():
+                found.append((_json_line(line, f"{path} line {line_no}"), f"{path} line {line_no}"))
+    for rec, where in found:
+        if not isinstance(rec, dict):
+            raise InputError(f"record in {where} is not an object", expected="object", actual=type(rec).__name__)
+    _require_questions(path, len(found), False)
+    return found
+
+
+def _json_line(line: str, where: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"invalid JSON in {where}", expected="one JSON object per line", actual=str(e)) from e
 
 
 # --- parquet (cais/mmlu) and datasets save_to_disk ------------------------------------------------
@@ -431,7 +440,7 @@ def _require_pyarrow(what: str) -> Any:
     try:
         import pyarrow  # noqa: F401
     except ImportError:
-        raise ExportInputError(
+        raise InputError(
             f"reading {what} needs pyarrow, which is not installed", key="pyarrow",
             expected="pyarrow importable", actual="ImportError", hint="pip install pyarrow",
         ) from None
@@ -488,7 +497,7 @@ def _arrow_files(state_file: Path) -> list[Path]:
     try:
         files = [state_file.parent / e["filename"] for e in json.loads(_read_bytes(state_file))["_data_files"]]
     except (ValueError, KeyError, TypeError) as e:
-        raise ExportInputError(f"unreadable datasets state file {state_file}", key=str(state_file),
+        raise InputError(f"unreadable datasets state file {state_file}", key=str(state_file),
                                expected='{"_data_files": [{"filename": ...}, ...]}',
                                actual=f"{type(e).__name__}: {e}") from e
     return files
@@ -504,7 +513,7 @@ def _read_table(path: Path, read: Callable[..., Any], *args: Any) -> Any:
     try:
         return read(*args)
     except Exception as e:  # pyarrow's ArrowInvalid, OSError, ...
-        raise ExportInputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable table file",
+        raise InputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable table file",
                                actual=f"{type(e).__name__}: {e}") from e
 
 
@@ -514,28 +523,28 @@ def _read_table(path: Path, read: Callable[..., Any], *args: Any) -> Any:
 def _raw_from_record(rec: Any, where: str) -> _Raw:
     """Validate one ``{question, subject, choices, answer}`` record (JSONL, parquet, arrow)."""
     if not isinstance(rec, dict):
-        raise ExportInputError(f"record in {where} is not an object", expected="object",
+        raise InputError(f"record in {where} is not an object", expected="object",
                                actual=type(rec).__name__)
     missing = [k for k in ("question", "subject", "choices", "answer") if k not in rec]
     if missing:
-        raise ExportInputError(
+        raise InputError(
             f"missing field(s) in {where}", expected="question, subject, choices, answer",
             actual=f"missing {missing}; has {sorted(rec)}",
         )
     subject, question, choices = rec["subject"], rec["question"], rec["choices"]
     if not isinstance(subject, str) or not subject:
-        raise ExportInputError(f"bad subject in {where}", expected="non-empty string",
+        raise InputError(f"bad subject in {where}", expected="non-empty string",
                                actual=repr(subject))
     if not isinstance(question, str):
-        raise ExportInputError(f"bad question in {where}", key=subject, expected="string",
+        raise InputError(f"bad question in {where}", key=subject, expected="string",
                                actual=repr(question))
     if not isinstance(choices, list | tuple) or len(choices) != 4:
-        raise ExportInputError(
+        raise InputError(
             f"bad choices in {where}", key=subject, expected="a list of 4 strings",
             actual=repr(choices),
         )
     if not all(isinstance(c, str) for c in choices):
-        raise ExportInputError(
+        raise InputError(
             f"non-string choice in {where}", key=subject,
             expected="4 strings (numbers would lose their spelling, e.g. 0.50 -> 0.5)",
             actual=repr(choices),
@@ -550,6 +559,6 @@ def _parse_answer(value: Any, where: str, subject: str) -> int:
         return value
     if isinstance(value, str) and value.strip() in LETTERS:
         return LETTERS.index(value.strip())
-    raise ExportInputError(
+    raise InputError(
         f"bad answer in {where}", key=subject, expected="A, B, C, D or 0-3", actual=repr(value)
     )

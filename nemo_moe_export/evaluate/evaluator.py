@@ -10,14 +10,15 @@ the hang but makes every EP peer recompute the same batch: throughput divided by
 
 How it works
 ------------
-The task (MMLU as lm-evaluation-harness defines it: :mod:`.data`, :mod:`.prompts`,
-:mod:`.scoring`) is data; this module is the engine's driver, one module per step:
+The task (MMLU as lm-evaluation-harness defines it, or any multiple-choice task of
+:mod:`.task`: a YAML file read by :mod:`.data`, :mod:`.prompts`, :mod:`.scoring`) is data; this
+module is the engine's driver, one module per step:
 
 1. **Prepare** (:mod:`.prepare`, no communication): every rank tokenizes every question the way
    lm-eval does and validates the input. Bad input raises
-   :class:`~nemo_moe_export.errors.ExportInputError` here, identically on every rank, before any
+   :class:`~nemo_moe_export.errors.InputError` here, identically on every rank, before any
    collective has started.
-2. **Plan** (:mod:`.prefixes`, :mod:`.planning`, no communication): each subject's shared k-shot
+2. **Plan** (:mod:`.prefixes`, :mod:`.batching`, no communication): each subject's shared k-shot
    prefix is found in the tokenized rows; rows are sorted by length and cut into batches by a
    token budget (``tokens_per_batch``) or of ``batch_size`` rows, the rows of a shared prefix
    into units of one prefix forward and the suffix forwards that continue its cache. Every rank
@@ -35,7 +36,7 @@ The task (MMLU as lm-evaluation-harness defines it: :mod:`.data`, :mod:`.prompts
    of 40") and its exception. Scores stay on the device until the last step.
 4. **Gather** (:mod:`.results`): per-row scores are all-gathered over the data-parallel group;
    every rank assembles the per-question scores in question order and aggregates them with
-   :func:`~nemo_moe_export.evaluate.scoring.aggregate`.
+   :func:`~nemo_moe_export.evaluate.scoring.aggregate` as the task groups them.
 
 Every setting comes from :class:`~nemo_moe_export.evaluate.options.MMLUOptions`, the one home of
 the defaults (docs/design.md#options-and-defaults).
@@ -64,12 +65,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.collectives import fingerprint_words
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import Question
 from nemo_moe_export.evaluate.options import MMLUOptions
-from nemo_moe_export.evaluate.planning import (
+from nemo_moe_export.evaluate.batching import (
     Batch,
     StepPlan,
     default_tokens_per_batch,
@@ -100,7 +102,8 @@ from nemo_moe_export.evaluate.runner import (
     pad_token_id,
     wants_uniform_shapes,
 )
-from nemo_moe_export.evaluate.scoring import aggregate
+from nemo_moe_export.evaluate.scoring import aggregate, record_outcomes
+from nemo_moe_export.evaluate.task import load_task
 from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
 from nemo_moe_export.progress import Progress
 
@@ -126,11 +129,12 @@ def evaluate_mmlu(
     name: str = "mmlu",
     **overrides: Any,
 ) -> MMLUResult:
-    """Evaluate ``model`` on MMLU ``questions`` with ``k_shot`` examples from ``dev``, on every rank.
+    """Evaluate ``model`` on ``questions`` of ``options.task`` (MMLU unless told) with ``k_shot``
+    examples from ``dev``, on every rank.
 
     Settings are ``MMLUOptions.of(options, **overrides)`` (an :class:`MMLUOptions`, a config node
     or a mapping, then keyword overrides such as ``k_shot=0, batch_size=4, policy="expert_dp"``);
-    an unknown or invalid setting raises ``ExportInputError`` before anything runs.
+    an unknown or invalid setting raises ``InputError`` before anything runs.
 
     ``model`` is called transformers-style (``model(input_ids=, attention_mask=, use_cache=False,
     logits_to_keep=) -> .logits``; with shared prefixes also ``use_cache=True``, ``position_ids=``
@@ -139,10 +143,10 @@ def evaluate_mmlu(
     ``layout.dp`` (default :func:`~nemo_moe_export.parallel.discover_layout`) must call this with
     the same questions. ``questions`` may be a :class:`PreparedQuestions` from
     :func:`prepare_questions` (then ``dev``/``k_shot``/``scoring``/``max_length`` are already
-    applied) to tokenize once for many evaluations. ``coordinator``: a :func:`phase_coordinator`
+    applied, and its ``task``) to tokenize once for many evaluations. ``coordinator``: a :func:`phase_coordinator`
     to reuse (else one is created: a collective over the world). Returns the same
     :class:`MMLUResult` on every rank; predictions equal a single-process run's whatever the
-    layout and policy. Raises ``ExportInputError`` on bad input before any collective and
+    layout and policy. Raises ``InputError`` on bad input before any collective and
     ``PeerError`` on every rank when any rank fails or stalls.
     """
     started = time.perf_counter()
@@ -173,7 +177,7 @@ def evaluate_mmlu(
     _agree(coordinator, "gather", error, opts.policy)
     gathered = coordinator.all_gather((row_scores, runner.tally))
     records = score_records(prepared, _merged(scores for scores, _ in gathered))
-    metrics = aggregate((r["subject"], r["correct"]) for r in records)
+    metrics = aggregate(record_outcomes(records), prepared.task)
     finished = time.perf_counter()
     return MMLUResult(
         metrics=metrics, records=records, policy=opts.policy, layout=layout_summary(layout),
@@ -183,7 +187,7 @@ def evaluate_mmlu(
                                 tokens_per_batch=budget, prefixes=prefixes,
                                 prefix_attention=("packed" if runner.packed else "copied") if prefixes else None,
                                 prefix_status=_shared_prefix_state(model, opts, uniform_shapes)),
-        steps=plan.n_steps,
+        steps=plan.n_steps, task=load_task(prepared.task).name,
     )
 
 
@@ -208,7 +212,7 @@ def _prepared(model: Any, tokenizer: Any, questions: Sequence[Question] | Prepar
         return questions
     return prepare_questions(tokenizer, questions, dev, k_shot=opts.k_shot, scoring=opts.scoring,
                              max_length=opts.max_length or default_max_length(model, tokenizer),
-                             vocab_size=model_vocab_size(model))
+                             vocab_size=model_vocab_size(model), task=opts.task)
 
 
 def _shared_prefixes(model: Any, prepared: PreparedQuestions, opts: MMLUOptions,
@@ -246,7 +250,7 @@ def _read_scores(runner: ForwardRunner) -> tuple[dict[int, list[float]], BaseExc
 def _require_not_options(layout: Any) -> None:
     """Options are the 6th argument; passed 5th they would be taken for the layout."""
     if isinstance(layout, (MMLUOptions, dict)):
-        raise ExportInputError("MMLU options were passed as the parallel layout", key="layout",
+        raise InputError("MMLU options were passed as the parallel layout", key="layout",
                                expected="a ParallelLayout or None", actual=type(layout).__name__,
                                hint="pass them as options=... (evaluate_mmlu(model, tok, qs, dev, layout, options))")
 
@@ -323,8 +327,6 @@ def _model_groups(model: Any, layout: ParallelLayout, coordinator: Coordinator) 
     group's point-to-point transfers included) and those of the DeviceMeshes of its DTensor
     parameters (FSDP2's shard groups, the EP experts' mesh), never the coordinator's own group,
     which must still carry the report."""
-    from torch.distributed.tensor import DTensor
-
     groups = [g.group for g in (layout.dp, layout.ep, layout.edp, *layout.model_parallel_groups().values())
               if g.group is not None]
     meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}

@@ -1,22 +1,28 @@
-"""The MMLU evaluation's options: one dataclass, the one home of every evaluation default.
+"""The evaluation's options: one dataclass, the one home of every evaluation default.
 
 ``MMLUOptions`` is what :func:`~nemo_moe_export.evaluate.evaluator.evaluate_mmlu` and
 :class:`~nemo_moe_export.evaluate.callback.MMLUCallback` read; the Hydra group ``mmlu``
 (``config.MMLUConfig``) extends it with the recipe's own fields. Construction validates every
 field, so ``mmlu.policy=lockstpe`` is refused when the config is built, before training starts.
+``task`` picks what is evaluated (docs/design.md#evaluation-tasks): MMLU by default, any packaged
+task by name (``mmlu.task=arc_challenge``) or a task YAML by path; the task is read and checked
+here too, with ``k_shot`` against the few-shot sampling it defines.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
+from nemo_moe_export.errors import InputError
+from nemo_moe_export.evaluate.task import is_task_path, load_task
 from nemo_moe_export.options import Options, require
 
 __all__ = ["POLICIES", "SCORING_MODES", "SPLITS", "MMLUOptions"]
 
 POLICIES: tuple[str, ...] = ("lockstep", "expert_dp", "naive")
-"""How batches are sharded over ranks (``evaluate/planning.py``); ``naive`` is the unsafe split
+"""How batches are sharded over ranks (``evaluate/batching.py``); ``naive`` is the unsafe split
 kept only to show the hang is real: the callback and the recipe refuse it."""
 SCORING_MODES: tuple[str, ...] = ("auto", "single_token", "full")
 SPLITS: tuple[str, ...] = ("test", "validation")  # ``dev`` is the few-shot pool, never evaluated
@@ -28,9 +34,9 @@ class MMLUOptions(Options):
 
     what = "MMLU option"
 
-    k_shot: int = 5  # lm-eval's MMLU default
+    k_shot: int = 5  # lm-eval's MMLU default; tasks without a first_n few-shot split take only 0
     # None: batches sized by tokens, the budget derived from the model's device memory
-    # (planning.default_tokens_per_batch); N: at most N tokens attended per forward (rows x (shared
+    # (batching.default_tokens_per_batch); N: at most N tokens attended per forward (rows x (shared
     # prefix + padded input)); 0: fixed batches of batch_size rows
     tokens_per_batch: Optional[int] = None
     batch_size: int = 16  # rows per forward with tokens_per_batch=0
@@ -46,6 +52,8 @@ class MMLUOptions(Options):
     agree_every: Optional[int] = 16
     progress: bool = True  # a progress bar on global rank 0
     # what the callback evaluates, and when
+    # a packaged task's name (evaluate/tasks/*.yaml: mmlu, arc_challenge) or a path to a task YAML
+    task: str = "mmlu"
     split: str = "test"
     subjects: Optional[list[str]] = None  # None: every subject found
     max_questions: Optional[int] = None  # None: all; else spread evenly over subjects
@@ -79,6 +87,15 @@ class MMLUOptions(Options):
                  "every_n_steps", "None or an integer >= 1", self.every_n_steps)
         if self.subjects is not None:
             self.subjects = list(self.subjects)
+        _require(isinstance(self.task, str) and bool(self.task), "task",
+                 "a packaged task name or a path to a task YAML", self.task)
+        if is_task_path(self.task):  # absolute, so a process started elsewhere reads the same file
+            self.task = str(Path(self.task).resolve())
+        try:
+            load_task(self.task).require_fewshot(self.k_shot)
+        except InputError as exc:  # named as an option, with the task's own words
+            raise InputError(f"bad MMLU option: {exc.problem}", key=exc.key, expected=exc.expected,
+                                   actual=exc.actual, hint=exc.hint) from None
 
 
 def _require(ok: bool, key: str, expected: str, actual: object) -> None:

@@ -1,5 +1,10 @@
 r"""MMLU prompts and their tokenization, byte-for-byte as lm-evaluation-harness builds them.
 
+The prompt text is rendered from the packaged task file ``tasks/mmlu.yaml`` by
+:class:`~nemo_moe_export.evaluate.task.Task` (docs/design.md#evaluation-tasks), which holds the
+lm-eval fields below verbatim; :func:`build_prompt` takes any other task too. The tokenization
+functions serve every task.
+
 Checked against lm_eval 0.4.13 (wheel ``lm_eval-0.4.13-py3-none-any.whl`` from PyPI, read, not
 installed):
 
@@ -41,8 +46,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import LETTERS, Question
+from nemo_moe_export.evaluate.task import Task, load_task
 
 __all__ = [
     "ANSWER_CONTINUATIONS",
@@ -59,8 +65,7 @@ __all__ = [
     "truncate_left",
 ]
 
-TARGET_DELIMITER = " "  # lm_eval/config/task.py TaskConfig.target_delimiter
-FEWSHOT_DELIMITER = "\n\n"  # lm_eval/config/task.py TaskConfig.fewshot_delimiter
+TARGET_DELIMITER = " "  # lm_eval/config/task.py TaskConfig.target_delimiter (tasks/mmlu.yaml states it too)
 ANSWER_CONTINUATIONS: tuple[str, ...] = tuple(TARGET_DELIMITER + x for x in LETTERS)
 
 
@@ -68,34 +73,32 @@ ANSWER_CONTINUATIONS: tuple[str, ...] = tuple(TARGET_DELIMITER + x for x in LETT
 
 
 def describe_subject(subject: str) -> str:
-    """The task description lm-eval prepends (``_generate_configs.py``)."""
-    return (
-        "The following are multiple choice questions (with answers) about "
-        f"{' '.join(subject.split('_'))}.\n\n"
-    )
+    """The task description lm-eval prepends (``_generate_configs.py``), rendered from ``tasks/mmlu.yaml``."""
+    return _mmlu().describe({"subject": subject})
 
 
 def format_example(q: Question, *, with_answer: bool) -> str:
     """``doc_to_text`` of ``q``; few-shot examples add ``" " + letter`` (the target delimiter)."""
-    c = q.choices
-    text = f"{q.question.strip()}\nA. {c[0]}\nB. {c[1]}\nC. {c[2]}\nD. {c[3]}\nAnswer:"
-    return text + TARGET_DELIMITER + LETTERS[q.answer] if with_answer else text
+    task = _mmlu()
+    text = task.text(q)
+    return text + task.target_delimiter + task.choices(q)[q.answer] if with_answer else text
 
 
 def select_fewshot(pool: Sequence[Question], k: int, doc: Question | None = None) -> list[Question]:
     """The first ``k`` questions of ``doc``'s subject in ``pool`` (lm-eval's ``first_n`` sampler).
 
     When the evaluated split is itself the few-shot split (evaluating ``dev``), ``doc`` is removed
-    from the pool first, as lm-eval does, so a question never answers itself.
+    from the pool first, as lm-eval does, so a question never answers itself. (Any task's
+    ``first_n`` sampler: the subject is the task's group.)
     """
     if k < 0:
-        raise ExportInputError("few-shot count must be >= 0", key="k", expected=">= 0", actual=k)
+        raise InputError("few-shot count must be >= 0", key="k", expected=">= 0", actual=k)
     subject = doc.subject if doc is not None else None
     candidates = [p for p in pool if subject is None or p.subject == subject]
-    if doc is not None and doc.split == "dev":
+    if doc is not None and candidates and doc.split == candidates[0].split:
         candidates = [p for p in candidates if not _same_doc(p, doc)]
     if k > len(candidates):
-        raise ExportInputError(
+        raise InputError(
             f"not enough few-shot examples for subject {subject!r}", key="k",
             expected=f"<= {len(candidates)} (dev questions available)", actual=k,
             hint="lower k or load the subject's dev split",
@@ -108,10 +111,14 @@ def _same_doc(a: Question, b: Question) -> bool:
     return (a.subject, a.question, a.choices, a.answer) == (b.subject, b.question, b.choices, b.answer)
 
 
-def build_prompt(doc: Question, fewshot: Sequence[Question]) -> str:
-    """Description, the few-shot examples each followed by a blank line, then the open question."""
-    shots = "".join(format_example(s, with_answer=True) + FEWSHOT_DELIMITER for s in fewshot)
-    return describe_subject(doc.subject) + shots + format_example(doc, with_answer=False)
+def build_prompt(doc: Question, fewshot: Sequence[Question], task: Task | str = "mmlu") -> str:
+    """Description, the few-shot examples each followed by a blank line, then the open question:
+    ``task``'s :meth:`~nemo_moe_export.evaluate.task.Task.context` (MMLU's, from ``tasks/mmlu.yaml``)."""
+    return load_task(task).context(doc, fewshot)
+
+
+def _mmlu() -> Task:
+    return load_task("mmlu")
 
 
 # --- tokenization ---------------------------------------------------------------------------------
@@ -137,7 +144,7 @@ def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[i
     across the boundary (e.g. ``":" + " A"``) is scored the way the model would have produced it.
     """
     if not context:
-        raise ExportInputError("context must be non-empty", key="context", expected="text", actual="''")
+        raise InputError("context must be non-empty", key="context", expected="text", actual="''")
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces > 0:
         continuation = context[-n_spaces:] + continuation
@@ -167,9 +174,9 @@ def encode_request(
     context = pairs[0][0]
     for (ctx, cont), text in zip(pairs, continuations, strict=True):
         if ctx != context:
-            raise ExportInputError("context tokens differ between choices", key=repr(text))
+            raise InputError("context tokens differ between choices", key=repr(text))
         if not cont:
-            raise ExportInputError(
+            raise InputError(
                 "continuation encodes to no tokens", key=repr(text), expected=">= 1 token",
                 actual=0, hint="the tokenizer merged the answer into the context",
             )
@@ -186,10 +193,10 @@ def truncate_left(
     last ``len(continuation)`` input positions score the continuation.
     """
     if max_length < 1:
-        raise ExportInputError("max_length must be >= 1", key="max_length", expected=">= 1",
+        raise InputError("max_length must be >= 1", key="max_length", expected=">= 1",
                                actual=max_length)
     if not context or not continuation or len(continuation) > max_length:
-        raise ExportInputError(
+        raise InputError(
             "cannot score request", key="continuation",
             expected=f"non-empty context and 1..{max_length} continuation tokens",
             actual=f"{len(context)} context, {len(continuation)} continuation tokens",
@@ -201,7 +208,7 @@ def truncate_left(
 def single_token_answer_ids(request: EncodedRequest) -> tuple[int, ...] | None:
     """Token id of each answer when every answer is exactly one distinct token, else None.
 
-    Only then is the cheap path (compare the four logits at the last prompt position) equal to the
+    Only then is the cheap path (compare the answers' logits at the last prompt position) equal to the
     summed continuation log-likelihood; otherwise the caller must score full continuations.
     """
     if any(len(c) != 1 for c in request.continuations):

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nemo_moe_export.evaluate.planning import Batch
+from nemo_moe_export.evaluate.batching import Batch
 from nemo_moe_export.evaluate.prefixes import SharedPrefix
 from nemo_moe_export.evaluate.prepare import PreparedQuestions
 from nemo_moe_export.evaluate.runner import PaddingTally
@@ -33,7 +33,8 @@ class MMLUResult:
     """Everything one evaluation produced; identical on every rank of the data-parallel group.
 
     ``records[i]`` is the prediction for ``questions[i]`` (``scoring.question_record`` plus
-    ``question_id``); ``metrics`` is :func:`~nemo_moe_export.evaluate.scoring.aggregate`'s output.
+    ``question_id``); ``metrics`` is :func:`~nemo_moe_export.evaluate.scoring.aggregate`'s output;
+    ``task`` the evaluated task's name (the prefix of its flat metrics and result files).
     """
 
     metrics: dict[str, Any]
@@ -45,16 +46,20 @@ class MMLUResult:
     scoring: dict[str, Any]
     steps: int
     extra: dict[str, Any] = field(default_factory=dict)
+    task: str = "mmlu"
 
     @property
     def predictions(self) -> list[str]:
         """Predicted letter per question, in question order."""
         return [r["pred"] for r in self.records]
 
-    def flat_metrics(self, prefix: str = "mmlu") -> dict[str, float]:
-        """Scalars for a training logger: overall / category accuracy, throughput, padding waste."""
-        out = {f"{prefix}/acc": self.metrics["overall"]["acc"]}
-        out.update({f"{prefix}/{cat}/acc": e["acc"] for cat, e in self.metrics["categories"].items()})
+    def flat_metrics(self, prefix: str | None = None) -> dict[str, float]:
+        """Scalars for a training logger, named ``<task>/...`` unless ``prefix`` says otherwise:
+        overall / category accuracy (and ``acc_norm`` where measured), throughput, padding waste."""
+        prefix = self.task if prefix is None else prefix
+        out = {f"{prefix}/{m}": v for m, v in _accuracies(self.metrics["overall"])}
+        out.update({f"{prefix}/{cat}/{m}": v for cat, e in self.metrics["categories"].items()
+                    for m, v in _accuracies(e)})
         out[f"{prefix}/questions_per_s"] = self.timing["questions_per_s"]
         out[f"{prefix}/padding_waste"] = self.padding["waste"]
         return out
@@ -63,9 +68,16 @@ class MMLUResult:
         return asdict(self)
 
 
+def _accuracies(entry: dict[str, Any]) -> list[tuple[str, float]]:
+    return [(m, entry[m]) for m in ("acc", "acc_norm") if m in entry]
+
+
 def question_scores(prepared: PreparedQuestions, row_scores: dict[int, list[float]]) -> list[list[float]]:
-    """Four scores per question from its rows; a missing row is a bug, never a silent zero."""
-    per_question: list[list[float | None]] = [[None] * 4 for _ in prepared.questions]
+    """One score per choice of each question from its rows; a missing row is a bug, never a silent zero."""
+    n_choices = [0] * len(prepared.questions)
+    for row in prepared.rows:
+        n_choices[row.question] += len(row.choices)
+    per_question: list[list[float | None]] = [[None] * n for n in n_choices]
     for row in prepared.rows:
         if row.row_id not in row_scores:
             raise RuntimeError(f"MMLU: no score for row {row.row_id} (question {row.question}); plan bug")
@@ -76,7 +88,7 @@ def question_scores(prepared: PreparedQuestions, row_scores: dict[int, list[floa
 
 def score_records(prepared: PreparedQuestions, row_scores: dict[int, list[float]]) -> list[dict[str, Any]]:
     """One record per question, in question order: its scores, prediction and correctness."""
-    return [{"question_id": i, **question_record(q, s)}
+    return [{"question_id": i, **question_record(q, s, prepared.task)}
             for i, (q, s) in enumerate(zip(prepared.questions, question_scores(prepared, row_scores)))]
 
 

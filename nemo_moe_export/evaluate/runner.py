@@ -2,7 +2,7 @@
 
 :class:`ForwardRunner` knows nothing about ranks or steps (the driver,
 :mod:`~nemo_moe_export.evaluate.evaluator`, decides what runs when); it turns one
-:class:`~nemo_moe_export.evaluate.planning.Batch` into model inputs, calls the model
+:class:`~nemo_moe_export.evaluate.batching.Batch` into model inputs, calls the model
 transformers-style and scores each row. Scores stay on the device until :meth:`ForwardRunner.scores`
 reads them all at once: a step costs no host/device synchronisation of its own.
 
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from nemo_moe_export.evaluate import prefix_attention
-from nemo_moe_export.evaluate.planning import Batch
+from nemo_moe_export.evaluate.batching import Batch
 from nemo_moe_export.evaluate.prefixes import SharedPrefix
 from nemo_moe_export.evaluate.prepare import Row
 from nemo_moe_export.evaluate.scoring import batch_continuation_logprobs
@@ -133,7 +133,9 @@ class ForwardRunner:
         """Scores by row id of every row run so far, read from the device at once."""
         if not self._scores:
             return {}
-        values = torch.cat([s for _, s in self._scores]).tolist()
+        width = max(s.shape[1] for _, s in self._scores)  # batches of rows with 5 choices are wider
+        values = torch.cat([torch.nn.functional.pad(s, (0, width - s.shape[1]), value=float("nan"))
+                            for _, s in self._scores]).tolist()
         ids = [r for row_ids, _ in self._scores for r in row_ids]
         return {r: v[:len(self.rows[r].choices)] for r, v in zip(ids, values)}
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from nemo_moe_export.adapters import HFShard, TensorMeta
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.placement import get_sharded_expert_range
 from nemo_moe_export.export.options import ExportOptions, parse_dtype, parse_size
 from nemo_moe_export.safetensors_format import (EXPORT_ID_KEY, TensorEntry, dtype_name, encode_header, encode_index,
@@ -227,7 +227,7 @@ def assign_file_owners(plan: ExportPlan, writer_ranks: Sequence[int]) -> dict[st
     receives every other rank's bytes for it.
     """
     if not writer_ranks:
-        raise ExportInputError("no rank to own the checkpoint files", key="writer_ranks",
+        raise InputError("no rank to own the checkpoint files", key="writer_ranks",
                                expected="at least one rank", actual=list(writer_ranks))
     return {f.name: writer_ranks[i % len(writer_ranks)] for i, f in enumerate(plan.files)}
 
@@ -241,7 +241,7 @@ def element_counts(plan: ExportPlan, pieces: Iterable[HFShard]) -> torch.Tensor:
         if not piece.primary:
             continue
         if piece.key not in position:
-            raise ExportInputError("a piece has no place in the export plan", key=piece.key,
+            raise InputError("a piece has no place in the export plan", key=piece.key,
                                    expected=f"one of the plan's {len(position)} keys", actual="not planned",
                                    hint="pieces and plan must come from the same adapter and state dict")
         counts[position[piece.key]] += piece.tensor.numel()
@@ -256,7 +256,7 @@ def check_coverage(plan: ExportPlan, summed_counts: torch.Tensor) -> None:
     wrong = (summed_counts != expected).nonzero().flatten().tolist()
     if wrong:
         first = wrong[0]
-        raise ExportInputError(
+        raise InputError(
             f"{len(wrong)} tensors would not be written exactly once", key=keys[first],
             expected=f"{int(expected[first])} elements with one writer each",
             actual=f"{int(summed_counts[first])} written by primaries across ranks",

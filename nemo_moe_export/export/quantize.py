@@ -33,7 +33,7 @@ import torch
 from nemo_moe_export.adapters import HFShard, StateDictAdapter, TensorMeta, get_table
 from nemo_moe_export.adapters.fp8 import (FP8_BLOCK, FP8_DTYPE, SCALE_SUFFIX, block_scales, official_quantization_config,
                                           quantize_with_scales)
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, plan_export
 from nemo_moe_export.export.storage import StorageWriter
@@ -63,12 +63,12 @@ def quantized_keys(plan: ExportPlan, adapter: StateDictAdapter, options: ExportO
         if not any(p.search(key) for p in patterns) or any(p.search(key) for p in keep):
             continue
         if len(planned.shape) != 2 or not planned.dtype.is_floating_point:
-            raise ExportInputError("only 2-D floating weights can be block-quantized", key=key,
+            raise InputError("only 2-D floating weights can be block-quantized", key=key,
                                    expected="a floating [out, in] weight", actual=f"{planned.dtype} {planned.shape}",
                                    hint="narrow quantize_keys (or the table's fp8_weights) to the linear weights")
         keys.add(key)
     if not keys:
-        raise ExportInputError("quantize='fp8_block' matches no weight of the model", key="quantize_keys",
+        raise InputError("quantize='fp8_block' matches no weight of the model", key="quantize_keys",
                                expected=f"keys matching {[p.pattern for p in patterns]}",
                                actual=f"none of the {len(plan.tensors)} planned keys")
     return frozenset(keys)
@@ -83,10 +83,10 @@ def _family_patterns(adapter: StateDictAdapter) -> tuple[str, ...]:
     model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
     try:
         patterns = get_table(str(model_type)).fp8_weights
-    except ExportInputError:
+    except InputError:
         patterns = ()
     if not patterns:
-        raise ExportInputError("this model family declares no FP8 weights", key=str(model_type),
+        raise InputError("this model family declares no FP8 weights", key=str(model_type),
                                expected="a table with fp8_weights (deepseek_v3, kimi_k2, qwen3_moe) or quantize_keys",
                                actual="none", hint="pass quantize_keys=[...] with regexes of the linear weights to quantize")
     return patterns
@@ -108,7 +108,7 @@ def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_bytes: int) -> E
             metas[key] = TensorMeta(planned.shape, planned.dtype)
             continue
         if key + SCALE_SUFFIX in plan.tensors:
-            raise ExportInputError("the scale name of a weight to quantize is taken", key=key + SCALE_SUFFIX,
+            raise InputError("the scale name of a weight to quantize is taken", key=key + SCALE_SUFFIX,
                                    expected="no tensor of that name", actual="a planned tensor",
                                    hint="a checkpoint's own scales cannot be written beside new ones")
         metas[key] = TensorMeta(planned.shape, FP8_DTYPE)
@@ -273,7 +273,7 @@ def _refuse_non_finite(share: HFShard, amax: torch.Tensor, row0: int, col0: int)
     bad = (~torch.isfinite(amax)).nonzero()
     if bad.numel():
         r, c = (int(v) for v in bad[0])
-        raise ExportInputError(
+        raise InputError(
             "a weight to quantize holds NaN or inf", key=share.key, expected="finite values",
             actual=f"{len(bad)} 128x128 block(s) with non-finite values, the first block ({row0 + r}, {col0 + c}) "
                    f"in this rank's slice at offsets {share.offsets}",
@@ -396,7 +396,7 @@ def _check_scale_coverage(plan: ExportPlan, keys: Collection[str], owned: int) -
     (the same verdict on every rank: the counts are gathered)."""
     expected = sum(math.prod(plan.tensors[k + SCALE_SUFFIX].shape) for k in keys)
     if owned != expected:
-        raise ExportInputError("FP8 scales would not be written exactly once", key=SCALE_SUFFIX,
+        raise InputError("FP8 scales would not be written exactly once", key=SCALE_SUFFIX,
                                expected=f"{expected} scales, one writer each", actual=f"{owned} owned across ranks",
                                hint="the weight shares must tile every quantized tensor; check the mesh and placements")
 

@@ -18,7 +18,7 @@ update is the known case); an export that writes one holder's copy then says not
    values) and the holders split into ranks with equal copies (a small all-gather).
 3. :func:`settle_findings`: under ``replica_mismatch="error"`` the findings, shared over the export
    group when their count (summed on the export's agreement) is not zero, refuse the export
-   on every rank with the same :class:`ExportInputError`; ``"mean"`` writes the replicas' mean (a
+   on every rank with the same :class:`InputError`; ``"mean"`` writes the replicas' mean (a
    float64 all-reduce), ``"rank:N"`` global rank N's copy (a broadcast); each reconciled key is
    reported. The model's own tensors are never changed: reconciled copies are new tensors.
 """
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.placement import unsplit_model_parallel_dims
 from nemo_moe_export.parallel import Coordinator
 
@@ -84,7 +84,7 @@ def replica_sets(tensors: Mapping[str, torch.Tensor], coordinator: Coordinator) 
         for ranks, group, export_group in _groups_of(tensor, coordinator, export_ranks):
             outside = sorted(set(ranks) - set(export_ranks))
             if outside:
-                raise ExportInputError(
+                raise InputError(
                     "a tensor's replicas sit on ranks outside the export group", key=name,
                     expected=f"replica ranks within {list(export_ranks)}", actual=f"also ranks {outside}",
                     hint="export on every rank of the model's device mesh (group= covering it)")
@@ -296,18 +296,18 @@ def _unique(findings) -> list[dict[str, Any]]:
     return [seen[k] for k in sorted(seen)]
 
 
-def _refusal(refused: list[dict[str, Any]], policy: str) -> ExportInputError:
+def _refusal(refused: list[dict[str, Any]], policy: str) -> InputError:
     first = refused[0]
     keys = ", ".join(f["name"] for f in refused[:6]) + (f", ... ({len(refused) - 6} more)" if len(refused) > 6 else "")
     if first["problem"] == "layout":
-        return ExportInputError(
+        return InputError(
             "replicas hold different tensors", key=first["name"],
             expected=f"the same tensors, shapes and dtypes on ranks {list(first['ranks'])}",
             actual="a different set on some of them",
             hint="every replica must hold the same model; check the mesh and placements")
     copies = "; ".join(f"ranks {ranks}" for ranks in first["copies"])
     why = f" ({first['refusal']})" if first["refusal"] else ""
-    return ExportInputError(
+    return InputError(
         f"{len(refused)} tensors differ between their replicas: {keys}", key=first["name"],
         expected=f"identical copies on ranks {list(first['ranks'])}",
         actual=f"{len(first['copies'])} different copies, held by {copies}; max |difference| "

@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM
 
 from nemo_moe_export.adapters import StateDictAdapter, TensorMeta, get_table
 from nemo_moe_export.collectives import gloo_group
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.replicas import checksum
 from nemo_moe_export.export.verify import MTP_MODULES
 from nemo_moe_export.placement import local_box
@@ -150,14 +150,14 @@ def check_tied(merged: Catalogue, pairs: Mapping[str, str], pp: RankGroup) -> No
         for pp_tied, (offsets, shape, sums) in copies.get(tied, []):
             same_box = [(r, b) for r, b in copies.get(source, []) if b[0] == offsets and b[1] == shape]
             if not same_box:
-                raise ExportInputError(
+                raise InputError(
                     "a tied weight's two copies sit on stages sharded differently", key=tied,
                     expected=f"'{source}' on another stage holding the same box {offsets} {shape}",
                     actual=f"its boxes there: {[b[:2] for _, b in copies.get(source, [])] or 'none'}",
                     hint="shard the first and the last stage over the same data-parallel mesh")
             pp_source, (_, _, source_sums) = same_box[0]
             if tuple(source_sums) != tuple(sums):
-                raise ExportInputError(
+                raise InputError(
                     "the tied weights' copies on two pipeline stages differ", key=tied,
                     expected=f"equal to '{source}' (the export writes that copy only)",
                     actual=f"different values at box {offsets} {shape}: pipeline rank {pp_tied} (global rank "
@@ -174,7 +174,7 @@ def _portable(c: Catalogue) -> tuple:
 def _add_stage_key(metadata: dict[str, TensorMeta], holder: dict[str, int], key: str, meta: TensorMeta,
                    pp_rank: int, pp: RankGroup, exact: bool) -> None:
     if key in metadata and (not exact or metadata[key] != meta):
-        raise ExportInputError(
+        raise InputError(
             "two pipeline stages hold the same tensor", key=key,
             expected="each tensor on exactly one stage",
             actual=f"held by pipeline ranks {holder[key]} and {pp_rank} (global ranks "
@@ -207,7 +207,7 @@ def _layer_then_key(key: str) -> tuple[int, str]:
     return (int(m.group(1)) if m else -1, key)
 
 
-def _no_stage_holds(missing: list[str], catalogue: Catalogue, pp: RankGroup) -> ExportInputError:
+def _no_stage_holds(missing: list[str], catalogue: Catalogue, pp: RankGroup) -> InputError:
     first = missing[0]
     m = _LAYER.search(first)
     held = "; ".join(f"pipeline rank {r} (global rank {pp.ranks[r] if r < len(pp.ranks) else '?'}): "
@@ -224,7 +224,7 @@ def _no_stage_holds(missing: list[str], catalogue: Catalogue, pp: RankGroup) -> 
     if pp.size <= 1:
         hint += ("; stage modules on other ranks are planned only through the pipeline group: pass "
                  "pp_group= (or a model that records its pipeline_group)")
-    return ExportInputError(
+    return InputError(
         f"{what} ({len(missing)} declared tensors missing)", key=first,
         expected="every tensor of the config's model held by one stage of the pipeline",
         actual=f"missing: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; stages hold: {held}",
@@ -296,7 +296,7 @@ def check_mtp_layers(keys: Any, config: Any) -> None:
         have = {k[len(prefix):] for k in keys if k.startswith(prefix)}
         missing = [m for m in MTP_MODULES if m not in have]
         if missing:
-            raise ExportInputError(
+            raise InputError(
                 f"the config declares {n} multi-token-prediction layer(s) the export would not write",
                 key=f"{prefix}*", expected=f"the MTP layer's tensors ({', '.join(MTP_MODULES)}, ...)",
                 actual=f"lacks {missing}" if have else "no tensor of it",

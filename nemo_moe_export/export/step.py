@@ -45,7 +45,7 @@ import torch
 from nemo_moe_export.adapters import HFShard, StateDictAdapter, get_adapter, model_parts, state_dict_of
 from nemo_moe_export.adapters.passthrough import extra_metadata, extra_pieces
 from nemo_moe_export.collectives import FINGERPRINT_WORDS, fingerprint_words
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export, write_shares
@@ -407,12 +407,12 @@ def _resolve_inputs(model: Any, state_dict: Mapping[str, torch.Tensor] | None, c
     first = parts[0] if parts else None
     if state_dict is None:
         if first is None:
-            raise ExportInputError("nothing to export", key="model", expected="a model, its stage modules or a state_dict",
+            raise InputError("nothing to export", key="model", expected="a model, its stage modules or a state_dict",
                                    actual="neither")
         state_dict = state_dict_of(parts)
     config = config if config is not None else getattr(first, "config", None)
     if config is None:
-        raise ExportInputError("no HF config", key="config", expected="model.config or config=", actual=None)
+        raise InputError("no HF config", key="config", expected="model.config or config=", actual=None)
     if generation_config is None and first is not None and getattr(first, "can_generate", lambda: False)():
         generation_config = getattr(first, "generation_config", None)
     adapter = adapter or get_adapter(config)
@@ -491,7 +491,7 @@ def _all_metadata(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tens
     metadata = adapter.hf_metadata(state_dict)
     for key in extras:
         if key in metadata or key in state_dict:
-            raise ExportInputError("an extra tensor has the name of a model tensor", key=key,
+            raise InputError("an extra tensor has the name of a model tensor", key=key,
                                    expected="a name the model does not write", actual="a model tensor's name",
                                    hint="pass extra tensors only for keys outside the model's state dict")
     return {**metadata, **extra_metadata(extras)}
@@ -502,7 +502,7 @@ def _check_replica_source(options: ExportOptions, coordinator: Coordinator) -> N
     source = options.replica_source
     members = [coordinator.global_rank(r) for r in range(max(coordinator.world_size, 1))]
     if source is not None and source not in members:
-        raise ExportInputError("replica_mismatch names a rank outside the export group", key="replica_mismatch",
+        raise InputError("replica_mismatch names a rank outside the export group", key="replica_mismatch",
                                expected=f"rank:N with N in {members}", actual=repr(options.replica_mismatch))
 
 

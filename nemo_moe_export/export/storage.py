@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from nemo_moe_export.adapters import HFShard
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.exchange import exchange_and_write, same_host_ranks
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners
@@ -91,7 +91,7 @@ def check_writer_ranks(options: ExportOptions, coordinator: Coordinator) -> None
     """Refuse ``writer_ranks`` that name no rank of the group (rank-local: same verdict everywhere)."""
     ranks, world = options.writer_ranks, max(coordinator.world_size, 1)
     if ranks is not None and (not ranks or any(not 0 <= r < world for r in ranks)):
-        raise ExportInputError("writer_ranks must name ranks of the group", key="writer_ranks",
+        raise InputError("writer_ranks must name ranks of the group", key="writer_ranks",
                                expected=f"a non-empty subset of 0..{coordinator.world_size - 1}", actual=ranks)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.plan import ExportPlan
 from nemo_moe_export.safetensors_format import INDEX_FILE, SUFFIX
 
@@ -105,15 +105,15 @@ class ExportTarget:
     def check(self, overwrite: str) -> None:
         """Refuse an existing target unless it may be replaced, and a parent that does not exist."""
         if os.path.lexists(self.aside) and not os.path.lexists(self.path) and overwrite == "error":
-            raise ExportInputError(
+            raise InputError(
                 "the previous checkpoint sits aside, left by an interrupted replace", key=self.path,
                 expected="no checkpoint there", actual=f"it is at {self.aside}",
                 hint='pass overwrite="replace" (it is restored first, then replaced) or move it back by hand')
         if os.path.lexists(self.path) and overwrite == "error":
-            raise ExportInputError("export target already exists", key=self.path, expected="no directory there",
+            raise InputError("export target already exists", key=self.path, expected="no directory there",
                                    actual="an existing path", hint='pass overwrite="replace" to swap it atomically')
         if not os.path.isdir(self.parent):
-            raise ExportInputError("parent of the export target does not exist", key=self.parent,
+            raise InputError("parent of the export target does not exist", key=self.parent,
                                    expected="an existing directory on a filesystem shared by all ranks",
                                    actual="missing")
 
@@ -139,7 +139,7 @@ class ExportTarget:
                 json.dump(holder, f)
             _Heartbeat.start(self.lock)
             return
-        raise ExportInputError("could not take the export lock", key=self.lock, expected="a free lock",
+        raise InputError("could not take the export lock", key=self.lock, expected="a free lock",
                                actual="taken again by another job")
 
     def _break_stale_lock(self) -> None:
@@ -148,7 +148,7 @@ class ExportTarget:
         age = time.time() - _mtime(self.lock)
         same_host_dead = holder.get("host") == socket.gethostname() and not _pid_alive(holder.get("pid"))
         if not same_host_dead and age < STALE_AFTER_S:
-            raise ExportInputError(
+            raise InputError(
                 "another export job is writing this target", key=self.path,
                 expected="no other export in progress",
                 actual=f"job {holder.get('export_id', '?')} (host {holder.get('host', '?')}, pid "
@@ -192,7 +192,7 @@ class ExportTarget:
         if not os.path.lexists(self.path):
             _rename_no_replace(self.partial, self.path)
         elif overwrite != "replace":
-            raise ExportInputError("export target appeared while exporting", key=self.path,
+            raise InputError("export target appeared while exporting", key=self.path,
                                    expected="no directory there", actual="an existing path (another job's?)",
                                    hint='pass overwrite="replace" to replace it')
         elif _exchange(self.partial, self.path):
@@ -278,7 +278,7 @@ def _rename_no_replace(src: str, dst: str) -> None:
         if _renameat2(src, dst, _RENAME_NOREPLACE):
             return
     except FileExistsError as exc:
-        raise ExportInputError("export target appeared while exporting", key=dst, expected="no directory there",
+        raise InputError("export target appeared while exporting", key=dst, expected="no directory there",
                                actual="an existing path (another job's?)") from exc
     os.rename(src, dst)
 

@@ -41,7 +41,7 @@ from safetensors import safe_open
 
 from nemo_moe_export.adapters import SafetensorsSource, get_adapter
 from nemo_moe_export.adapters.fp8 import FP8_BLOCK, SCALE_SUFFIX, fp8_block_size
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.safetensors_format import (
     EXPORT_ID_KEY,
     INDEX_FILE,
@@ -200,7 +200,7 @@ def _same_export(path: str, files: list[str], report: VerifyReport) -> None:
     for name in files:
         try:
             metadata = read_header(os.path.join(path, name)).metadata or {}
-        except (ExportInputError, OSError):
+        except (InputError, OSError):
             continue  # an unreadable header is reported by _stored_keys
         writers[metadata.get(EXPORT_ID_KEY)].append(name)
     writers[_index_export_id(path)].append(INDEX_FILE)
@@ -226,7 +226,7 @@ def _read_index(path: str, files: list[str], report: VerifyReport) -> dict[str, 
     if os.path.exists(os.path.join(path, INDEX_FILE)):
         try:
             return read_weight_map(path)
-        except ExportInputError as exc:
+        except InputError as exc:
             report.problems.append(f"{INDEX_FILE}: unreadable (expected {exc.expected}, found {exc.actual})")
     elif len(files) > 1 or files[0] != SINGLE_FILE:
         report.problems.append(f"{INDEX_FILE} is missing: transformers cannot map keys to {files}")
@@ -355,7 +355,7 @@ def _fp8_checks(path: str, entries: dict[str, TensorEntry], config: Mapping | No
         return None
     try:
         block = fp8_block_size(path)
-    except ExportInputError as exc:
+    except InputError as exc:
         report.problems.append(f"config.json: {exc.problem} ({exc.key}: expected {exc.expected}, found {exc.actual})")
         return None
     scale_fmt = quant.get("scale_fmt")

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from nemo_moe_export.adapters import StateDictAdapter, get_table
-from nemo_moe_export.errors import ExportInputError, current_rank
+from nemo_moe_export.errors import InputError, current_rank
 from nemo_moe_export.evaluate.callback import MMLUCallback
 from nemo_moe_export.export import export_hf_checkpoint
 from nemo_moe_export.hooks import make_context
@@ -113,15 +113,15 @@ class AutoPipelineCausalLM(PipelinedCausalLM):
                  dtype: torch.dtype | None = None) -> None:
         stages = list(autopipeline.info.stages or ())
         if not stages or autopipeline.info.schedule is None:
-            raise ExportInputError("AutoPipeline has no stages", key="autopipeline", expected="a built AutoPipeline",
+            raise InputError("AutoPipeline has no stages", key="autopipeline", expected="a built AutoPipeline",
                                    actual="no stages", hint="call autopipeline.build(model, ...) first")
         scheduled = autopipeline.pp_batch_size // autopipeline.pp_microbatch_size  # what AutoPipeline builds
         if n_microbatches not in (None, scheduled):
-            raise ExportInputError("AutoPipeline's schedule fixes the microbatch count", key="n_microbatches",
+            raise InputError("AutoPipeline's schedule fixes the microbatch count", key="n_microbatches",
                                    expected=scheduled, actual=n_microbatches,
                                    hint="leave n_microbatches out: pp_batch_size // pp_microbatch_size")
         if any(getattr(s.submod, "_pp_return_hidden_states", False) is True for s in stages):
-            raise ExportInputError("AutoPipeline's last stage returns hidden states, not logits",
+            raise InputError("AutoPipeline's last stage returns hidden states, not logits",
                                    key="_pp_return_hidden_states", expected=False, actual=True,
                                    hint="AutoModel's recipe sets it for a linear cross-entropy loss; evaluate MMLU "
                                         "with a logits loss (e.g. MaskedCrossEntropy)")
@@ -140,7 +140,7 @@ class AutoPipelineCausalLM(PipelinedCausalLM):
         microbatch count) x ``length`` tokens; the last stage's ``[rows, kept, vocab]`` logits on
         the rank holding it, None elsewhere."""
         if loss_fn is not None:
-            raise ExportInputError("AutoPipelineCausalLM only evaluates", key="loss_fn", expected=None,
+            raise InputError("AutoPipelineCausalLM only evaluates", key="loss_fn", expected=None,
                                    actual=loss_fn, hint="train with autopipeline.step (AutoModel's recipe does)")
         pipeline = self.autopipeline
         schedule, stages = pipeline.info.schedule, pipeline.info.stages
@@ -293,12 +293,12 @@ def recipe_settings(section: Any, checkpoint_dir: str | None) -> dict[str, Any]:
     each optional). Output folders default to ``{checkpoint_dir}/mmlu`` and ``{checkpoint_dir}/hf``."""
     settings = _plain(section) if section is not None else {}
     if not isinstance(settings, dict):
-        raise ExportInputError("the moe_export section of the recipe YAML is not a mapping", key="moe_export",
+        raise InputError("the moe_export section of the recipe YAML is not a mapping", key="moe_export",
                                expected="a mapping with the sections mmlu and export",
                                actual=type(settings).__name__)
     unknown = sorted(set(settings) - {"mmlu", "export"})
     if unknown:
-        raise ExportInputError("unknown moe_export settings in the recipe YAML", key=f"moe_export.{unknown[0]}",
+        raise InputError("unknown moe_export settings in the recipe YAML", key=f"moe_export.{unknown[0]}",
                                expected="the sections mmlu and export", actual=unknown,
                                hint="MMLU options go under moe_export.mmlu, export options under moe_export.export")
     base = checkpoint_dir or "."

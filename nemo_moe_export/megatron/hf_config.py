@@ -7,7 +7,7 @@ multi-token-prediction block (``mtp_num_layers``) is ``num_nextn_predict_layers`
 Field by field it is Megatron-Bridge's mapping (``deepseek/common.py``, ``qwen3_moe_bridge.py``;
 docs/design.md#megatron-core-models). A model the HF architecture cannot express (biases, another
 activation, zero-centred norms, a routing function the family does not use) is refused with an
-``ExportInputError`` naming the megatron field, before anything is evaluated or written.
+``InputError`` naming the megatron field, before anything is evaluated or written.
 
 The config is a subclass of the transformers config class that carries the model's
 :class:`~nemo_moe_export.adapters.InMemoryFormat` (megatron-core names, the EP ranks' local experts)
@@ -23,7 +23,7 @@ import torch
 from transformers import DeepseekV3Config, Qwen3MoeConfig
 
 from nemo_moe_export.adapters import InMemoryFormat
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.megatron.state import moe_layer_ids
 
 __all__ = ["FAMILIES", "MegatronDeepseekV3Config", "MegatronQwen3MoeConfig", "hf_config_for", "infer_family",
@@ -68,7 +68,7 @@ def hf_config_for(gpt_model: Any, family: str, layout: InMemoryFormat, moe_layer
     the whole model without pipeline stages). ``vocab_size``: the HF vocabulary, without megatron's
     padding (default: the model's)."""
     if family not in FAMILIES:
-        raise ExportInputError("unsupported megatron-core model family", key="family", expected=FAMILIES,
+        raise InputError("unsupported megatron-core model family", key="family", expected=FAMILIES,
                                actual=repr(family))
     cfg = gpt_model.config
     _require_common(gpt_model, cfg)
@@ -164,6 +164,6 @@ def _require_common(gpt_model: Any, cfg: Any) -> None:
 
 def _require(ok: Any, field: str, expected: str, actual: Any) -> None:
     if not ok:
-        raise ExportInputError("the megatron-core model has a feature its HF family cannot express",
+        raise InputError("the megatron-core model has a feature its HF family cannot express",
                                key=f"megatron.{field}", expected=expected, actual=actual,
                                hint="see docs/design.md#megatron-core-models for what is mapped")

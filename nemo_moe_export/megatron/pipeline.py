@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.parallel import RankGroup
 
 __all__ = ["PipelineStageError", "allreduce_embedding_copy_grads", "kept_positions", "main_head_only",
@@ -87,7 +87,7 @@ def pipelined_train_step(gpt: Any, pp: RankGroup, input_ids: torch.Tensor, posit
     scalar, the same on every rank of ``pp`` (every rank calls this with the same batch)."""
     rows, length = input_ids.shape
     if count < 1 or rows % count:
-        raise ExportInputError("a training batch must split into equal microbatches", key="input_ids",
+        raise InputError("a training batch must split into equal microbatches", key="input_ids",
                                expected=f"rows a multiple of the model's {count} microbatches", actual=rows)
     size = rows // count
     micro = [TrainingMicrobatch(input_ids[s:s + size], position_ids[s:s + size], mask[s:s + size], labels[s:s + size])
@@ -187,7 +187,7 @@ def _forward_step(data_iterator: Iterator[Microbatch], model: Any) -> tuple[torc
 def _assembled(store: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     logits = torch.cat(store, dim=0).to(dtype)
     if tuple(logits.shape) != shape:  # the peers size their buffer from the batch, as this does
-        raise ExportInputError("the last stage's logits do not have the shape the batch gives",
+        raise InputError("the last stage's logits do not have the shape the batch gives",
                                key="logits", expected=shape, actual=tuple(logits.shape))
     return logits.contiguous()
 
@@ -224,7 +224,7 @@ def kept_positions(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tens
     rows_first = hidden.transpose(0, 1)
     if isinstance(keep, torch.Tensor) and keep.dim() == 2:
         if keep.dtype == torch.bool:
-            raise ExportInputError("boolean logits_to_keep masks are not supported", key="logits_to_keep",
+            raise InputError("boolean logits_to_keep masks are not supported", key="logits_to_keep",
                                    expected="an int or integer positions", actual="a bool mask")
         rows_first = torch.take_along_dim(rows_first, keep[..., None], dim=1)
     else:

@@ -48,7 +48,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from nemo_moe_export.adapters import LocalExperts
 from nemo_moe_export.adapters.tables_megatron import GLU_PARTS
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.placement import replica_coordinate
 from nemo_moe_export.parallel import ParallelLayout, RankGroup
 
@@ -128,7 +128,7 @@ def _replica_mesh(replica: RankGroup, shard: RankGroup, device_type: str, names:
     dist.all_gather_object(rows, list(shard.ranks), group=replica.group)
     mesh = torch.tensor(rows, dtype=torch.int)
     if mesh.shape != (replica.size, shard.size) or mesh[:, shard.rank].tolist() != list(replica.ranks):
-        raise ExportInputError("parallel_state's groups do not form a grid", key=f"{names[0]} x {names[1]}",
+        raise InputError("parallel_state's groups do not form a grid", key=f"{names[0]} x {names[1]}",
                                expected=f"the {names[1]} groups of the {names[0]} ranks {list(replica.ranks)} "
                                         f"holding them in column {shard.rank}",
                                actual=f"rows {rows}", hint="build the groups with parallel_state")
@@ -192,7 +192,7 @@ def placed_pieces(key: str, records: dict[str, list[Any]], mesh: DeviceMesh,
     to place instead (the MTP head)."""
     found = records.get(key)
     if found is None:
-        raise ExportInputError("megatron's sharded_state_dict() has no record of a tensor", key=key,
+        raise InputError("megatron's sharded_state_dict() has no record of a tensor", key=key,
                                expected="a ShardedTensor or a ShardedTensorFactory for every parameter",
                                actual="none", hint="docs/design.md#tensor-parallelism-megatron-core")
     if len(found) == 1:
@@ -200,7 +200,7 @@ def placed_pieces(key: str, records: dict[str, list[Any]], mesh: DeviceMesh,
     if len(found) == len(GLU_PARTS) and key.endswith("linear_fc1.weight"):
         return [(suffix, _placed(key, _glu_half(key, record, i), mesh, record.data.detach()))
                 for i, (suffix, record) in enumerate(zip(GLU_PARTS, found))]
-    raise ExportInputError("a sharded_state_dict() factory the view does not know", key=key,
+    raise InputError("a sharded_state_dict() factory the view does not know", key=key,
                            expected="one ShardedTensor, or the SwiGLU linear_fc1's two pieces",
                            actual=f"{len(found)} pieces")
 
@@ -231,7 +231,7 @@ def _glu_half(key: str, record: Any, index: int) -> _Box:
     half = box.global_shape[0] // 2
     row = box.offsets[0] - index * half
     if box.global_shape[0] % 2 or box.fragments[0] % 2 or not 0 <= row < half:
-        raise ExportInputError("a GLU factory piece outside its half of linear_fc1", key=key,
+        raise InputError("a GLU factory piece outside its half of linear_fc1", key=key,
                                expected=f"piece {index} ({GLU_PARTS[index]}) in rows "
                                         f"[{index * half}, {(index + 1) * half})",
                                actual=f"row {box.offsets[0]} of {box.global_shape}")
@@ -248,7 +248,7 @@ def _placed(key: str, record: Any, mesh: DeviceMesh, local: torch.Tensor) -> DTe
     split = [d for d, f in enumerate(box.fragments) if f > 1]
     shard_size = mesh.size(1) if mesh.ndim == 2 else 1
     if len(split) > 1 or (split and box.fragments[split[0]] != shard_size):
-        raise ExportInputError("a tensor split in a way the view does not place", key=key,
+        raise InputError("a tensor split in a way the view does not place", key=key,
                                expected=f"at most one dim split into {shard_size} (the tensor-parallel size)",
                                actual=f"fragments {box.fragments} of {box.global_shape}")
     placements = [Replicate()] + ([Shard(split[0]) if split else Replicate()] if mesh.ndim == 2 else [])
@@ -262,7 +262,7 @@ def _check_box(key: str, placed: DTensor, box: _Box, local: torch.Tensor) -> Non
     shape, offsets = compute_local_shape_and_global_offset(placed.shape, placed.device_mesh, placed.placements)
     replica, _ = replica_coordinate(placed.device_mesh, placed.placements, placed.device_mesh.get_coordinate())
     if tuple(shape) != tuple(local.shape) or tuple(offsets) != box.offsets or (replica == 0) != box.primary:
-        raise ExportInputError(
+        raise InputError(
             "megatron's sharded_state_dict() places a tensor where the parallel groups do not",
             key=key, expected=f"local {tuple(local.shape)} at {box.offsets}, primary={box.primary} (the record)",
             actual=f"local {tuple(shape)} at {tuple(offsets)}, replica {replica} on {placed.placements}",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from nemo_moe_export.adapters import get_adapter
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = ["DISPATCHERS", "build_gpt", "init_by_hf_name", "padded_vocab_size", "tiny_transformer_config"]
 
@@ -57,7 +57,7 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
     etp = ps.get_expert_tensor_parallel_world_size() if initialised else 1
 
     if dispatcher not in DISPATCHERS:
-        raise ExportInputError("unknown megatron-core token dispatcher", key="model.dispatcher",
+        raise InputError("unknown megatron-core token dispatcher", key="model.dispatcher",
                                expected=DISPATCHERS, actual=repr(dispatcher))
     common = dict(
         num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=4, ffn_hidden_size=2 * hidden_size,
@@ -83,7 +83,7 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
         common.update(num_query_groups=2)
         common.update(overrides)
         return TransformerConfig(**common)
-    raise ExportInputError("unknown megatron-core tiny family", key="model.family",
+    raise InputError("unknown megatron-core tiny family", key="model.family",
                            expected=["deepseek_v3", "qwen3_moe"], actual=repr(family))
 
 

@@ -53,7 +53,7 @@ from torch.distributed.pipelining import (
 )
 from transformers.modeling_outputs import CausalLMOutput
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.pipeline.stages import PipelineStageError, StageInfo, stage_ids, stage_info
 
 __all__ = ["PipelineError", "PipelinedCausalLM", "pipeline_train_step", "reshard_stages"]
@@ -117,18 +117,18 @@ class PipelinedCausalLM(nn.Module):
         """Stage ids must be this rank's in loop order (torch's multi-stage schedules assume it) and
         match what each part is."""
         if len(self.parts) != len(self.stage_ids) or not self.parts:
-            raise ExportInputError("one stage id per stage module", key="ids", expected=len(self.parts),
+            raise InputError("one stage id per stage module", key="ids", expected=len(self.parts),
                                    actual=len(self.stage_ids))
         expected = stage_ids(self.pp_rank, self.pp_size, len(self.parts))
         if list(self.stage_ids) != expected or self.n_stages != self.pp_size * len(self.parts):
-            raise ExportInputError("pipeline stages are not this rank's, in loop order", key="ids",
+            raise InputError("pipeline stages are not this rank's, in loop order", key="ids",
                                    expected=f"{expected} of {self.pp_size * len(self.parts)} stages",
                                    actual=f"{list(self.stage_ids)} of {self.n_stages}",
                                    hint="give rank r of a PP group of p the stages r, r+p, ... (stage_ids())")
         for part, sid in zip(self.parts, self.stage_ids):
             info = self.stage_info(part)
             if info.index != sid or info.n_stages != self.n_stages:
-                raise ExportInputError("stage module does not match its stage id", key=f"stage {sid}",
+                raise InputError("stage module does not match its stage id", key=f"stage {sid}",
                                        expected=f"stage {sid} of {self.n_stages}",
                                        actual=f"stage {info.index} of {info.n_stages}")
 
@@ -142,7 +142,7 @@ class PipelinedCausalLM(nn.Module):
         Every rank of the group calls it with the same arguments: the first stage reads the tokens,
         every stage the mask, and every rank needs the shapes."""
         if use_cache:
-            raise ExportInputError("pipeline stages keep no KV cache", key="use_cache", expected=False,
+            raise InputError("pipeline stages keep no KV cache", key="use_cache", expected=False,
                                    actual=True)
         with torch.no_grad():
             return CausalLMOutput(logits=self.reported(lambda: self._forward(input_ids, attention_mask,
@@ -280,7 +280,7 @@ class PipelinedCausalLM(nn.Module):
         try:
             return cls(arg, self.n_microbatches, loss_fn=loss_fn)
         except ValueError as exc:
-            raise ExportInputError(f"{cls.__name__} cannot run this microbatch count", key="n_microbatches",
+            raise InputError(f"{cls.__name__} cannot run this microbatch count", key="n_microbatches",
                                    expected="what the schedule accepts", actual=self.n_microbatches,
                                    hint=str(exc)) from exc
 
@@ -321,7 +321,7 @@ def _row_positions(keep: int | torch.Tensor, rows: int, length: int, device: tor
     if keep.dim() == 1:
         return keep.to(device).expand(rows, keep.shape[0])
     if keep.dtype == torch.bool or keep.shape[0] != rows:
-        raise ExportInputError("logits_to_keep must be an int or integer positions", key="logits_to_keep",
+        raise InputError("logits_to_keep must be an int or integer positions", key="logits_to_keep",
                                expected=f"an int, [n] or [{rows}, n] integer positions",
                                actual=f"{keep.dtype} {tuple(keep.shape)}")
     return keep
@@ -454,7 +454,7 @@ def pipeline_train_step(model: PipelinedCausalLM, input_ids: torch.Tensor, label
     """
     rows, length = input_ids.shape
     if rows % model.n_microbatches:
-        raise ExportInputError("a training batch must split into equal microbatches", key="input_ids",
+        raise InputError("a training batch must split into equal microbatches", key="input_ids",
                                expected=f"rows a multiple of n_microbatches={model.n_microbatches}", actual=rows)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     model.train()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.planner.mmlu import plan_mmlu
 from nemo_moe_export.planner.model import MetaModel, PlanTarget, build_meta_model
 from nemo_moe_export.planner.model_parallel import model_parallel_of
@@ -27,7 +27,7 @@ def plan_job(target: PlanTarget, world: int, time_model: TimeModel, *, device: s
     """The report for ``target`` on ``world`` ranks (``mmlu``: a question folder and a tokenizer)."""
     mp = model_parallel_of(target.parallel)
     if mmlu is not None and mp.tp * mp.cp > 1:  # TP / CP peers run every batch together: not planned yet
-        raise ExportInputError("MMLU is not planned under TP or CP", key="--mmlu", expected="tp_size = cp_size = 1",
+        raise InputError("MMLU is not planned under TP or CP", key="--mmlu", expected="tp_size = cp_size = 1",
                                actual=f"tp_size={mp.tp}, cp_size={mp.cp}", hint="plan the export alone")
     meta = meta or build_meta_model(target.config, target.dtype)
     simulation = simulate(meta, target.parallel, world, target.export, device=device)

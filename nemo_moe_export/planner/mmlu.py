@@ -1,8 +1,8 @@
-"""MMLU under a layout: steps and rows per rank per policy, from the evaluator's own planning code.
+"""MMLU under a layout: steps and rows per rank per policy, from the evaluator's own batching code.
 
 The questions are tokenized (``evaluate/prepare.py``), the global batches planned by the
 evaluator's own ``global_batches`` (shared prefixes, token budget, uniform shapes) and each
-simulated rank's steps derived (``planning.plan_steps``) exactly as ``evaluate_mmlu`` does on that
+simulated rank's steps derived (``batching.plan_steps``) exactly as ``evaluate_mmlu`` does on that
 rank; only the ParallelLayout is built from the rank lists instead of process groups (the
 planner has none): dense DP is the world, EP groups and expert-DP groups are Megatron's
 (``parallel.expert_parallel_groups``), as ``init_expert_parallel`` creates them.
@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from nemo_moe_export.evaluate.data import load_mmlu
 from nemo_moe_export.evaluate.evaluator import global_batches
 from nemo_moe_export.evaluate.options import MMLUOptions
-from nemo_moe_export.evaluate.planning import plan_steps
+from nemo_moe_export.evaluate.batching import plan_steps
 from nemo_moe_export.evaluate.prepare import default_max_length, model_vocab_size, prepare_questions
 from nemo_moe_export.parallel import ParallelLayout, RankGroup, expert_parallel_groups
 

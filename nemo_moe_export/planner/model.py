@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from nemo_moe_export.adapters import get_adapter
 from nemo_moe_export.config import ModelConfig, ParallelConfig
 from nemo_moe_export.config import ARCHITECTURES, architecture, model_dtype
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.expert_parallel import experts_modules
 from nemo_moe_export.export.options import ExportOptions
@@ -63,14 +63,14 @@ def hf_config_from_dict(values: Mapping[str, Any]) -> Any:
     values = dict(values)
     model_type = values.pop("model_type", None)
     if not model_type:
-        raise ExportInputError("config.json has no model_type", key="model_type", expected="e.g. deepseek_v3",
+        raise InputError("config.json has no model_type", key="model_type", expected="e.g. deepseek_v3",
                                actual=None)
     for unused in ("architectures", "auto_map", "quantization_config", "transformers_version"):
         values.pop(unused, None)  # the trained model is not quantized; remote code is not needed
     try:
         config = AutoConfig.for_model(architecture(model_type), **values)
     except ValueError as exc:
-        raise ExportInputError("transformers does not know this model type", key="model_type",
+        raise InputError("transformers does not know this model type", key="model_type",
                                expected="a model_type transformers can build", actual=model_type) from exc
     config.model_type = model_type
     return config
@@ -90,7 +90,7 @@ def from_config_file(path: str | os.PathLike[str], parallel: Any, export: Any) -
     try:
         values = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ExportInputError("cannot read the model's config.json", key=str(path), expected="a JSON file",
+        raise InputError("cannot read the model's config.json", key=str(path), expected="a JSON file",
                                actual=f"{type(exc).__name__}: {exc}") from exc
     config = hf_config_from_dict(values)
     return PlanTarget(path.parent.name or str(path), config, _dtype_of(config), parallel, export)
@@ -101,7 +101,7 @@ def from_preset(name: str, parallel: Any, export: Any) -> PlanTarget:
     path = Path(packaged_dir("conf")) / "model" / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ExportInputError("unknown model preset", key=name, expected=f"one of {known}", actual=name)
+        raise InputError("unknown model preset", key=name, expected=f"one of {known}", actual=name)
     node = OmegaConf.load(path)
     node.pop("defaults", None)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), node))
@@ -112,7 +112,7 @@ def _preset_config(cfg: Any, vocab_size: int = 256) -> Any:
     """The HF config ``recipe/trainer.build_model`` builds for a model preset (vocab: the recipe's
     tokenizer's size is only known at run time; 256 stands in)."""
     if cfg.backend != "transformers":
-        raise ExportInputError("the planner builds transformers models only", key="model.backend",
+        raise InputError("the planner builds transformers models only", key="model.backend",
                                expected="transformers", actual=cfg.backend)
     config = tiny_config(architecture(cfg.family), n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
                          moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,

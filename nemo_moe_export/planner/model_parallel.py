@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import AutoModelForCausalLM
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
 
 __all__ = ["MODEL_PARALLEL_STRATEGIES", "ModelParallel", "check_model_parallel", "model_parallel_of",
@@ -76,21 +76,21 @@ def check_model_parallel(parallel: Any, stage_ranks: int, where: str) -> None:
     mp = model_parallel_of(parallel)
     for name, value in (("tp_size", mp.tp), ("cp_size", mp.cp), ("etp_size", mp.etp)):
         if value < 1:
-            raise ExportInputError("must be positive", key=f"parallel.{name}", expected=">= 1", actual=value)
+            raise InputError("must be positive", key=f"parallel.{name}", expected=">= 1", actual=value)
     if mp.etp != 1:
-        raise ExportInputError("expert tensor parallelism is not planned", key="parallel.etp_size", expected=1,
+        raise InputError("expert tensor parallelism is not planned", key="parallel.etp_size", expected=1,
                                actual=mp.etp, hint="torch TP leaves routed experts whole; the Megatron-Bridge "
                                                    "recipes run ETP 1")
     if mp.sequence_parallel and mp.tp == 1:
-        raise ExportInputError("sequence parallelism needs tensor parallelism", key="parallel.sequence_parallel",
+        raise InputError("sequence parallelism needs tensor parallelism", key="parallel.sequence_parallel",
                                expected="tp_size > 1", actual="tp_size=1", hint="megatron-core refuses SP without TP")
     if mp.tp * mp.cp == 1:
         return
     if parallel.strategy not in MODEL_PARALLEL_STRATEGIES:
-        raise ExportInputError("TP and CP are planned with the fsdp and ep layouts only", key="parallel.strategy",
+        raise InputError("TP and CP are planned with the fsdp and ep layouts only", key="parallel.strategy",
                                expected=MODEL_PARALLEL_STRATEGIES, actual=parallel.strategy)
     if stage_ranks % (mp.tp * mp.cp):
-        raise ExportInputError("tp_size x cp_size must divide the ranks" + where, key="parallel.tp_size",
+        raise InputError("tp_size x cp_size must divide the ranks" + where, key="parallel.tp_size",
                                expected=f"a divisor of {stage_ranks}", actual=f"{mp.tp} x {mp.cp}")
 
 

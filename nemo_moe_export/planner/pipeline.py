@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.pipeline.stages import _layer_counts, stage_ids
 
 __all__ = ["Pipeline", "pipeline_of"]
@@ -53,7 +53,7 @@ class Pipeline:
             return 0
         if _LAST.match(key):
             return self.n_stages - 1
-        raise ExportInputError("two pipeline stages hold the same tensor", key=key,
+        raise InputError("two pipeline stages hold the same tensor", key=key,
                                expected="a decoder layer's, the embedding's, the final norm's or lm_head's",
                                actual="a tensor outside them, which every stage keeps",
                                hint="the export refuses a tensor held by several stages")
@@ -75,7 +75,7 @@ def pipeline_of(parallel: Any, meta: Any) -> Pipeline | None:
     pp_size = int(getattr(parallel, "pp_size", 1) or 1)
     stages_per_rank = int(getattr(parallel, "stages_per_rank", 1) or 1)
     if pp_size < 1 or stages_per_rank < 1:
-        raise ExportInputError("invalid pipeline layout", key="parallel.pp_size",
+        raise InputError("invalid pipeline layout", key="parallel.pp_size",
                                expected="pp_size >= 1 and stages_per_rank >= 1",
                                actual=f"pp_size={pp_size}, stages_per_rank={stages_per_rank}")
     if pp_size == 1:  # one pipeline rank holds every stage: the export's plain path (no pipeline group)
@@ -83,7 +83,7 @@ def pipeline_of(parallel: Any, meta: Any) -> Pipeline | None:
     n_stages = pp_size * stages_per_rank
     text = meta.config.get_text_config() if hasattr(meta.config, "get_text_config") else meta.config
     if n_stages > 1 and getattr(text, "tie_word_embeddings", False):
-        raise ExportInputError("tied input and output embeddings cannot be split over pipeline stages",
+        raise InputError("tied input and output embeddings cannot be split over pipeline stages",
                                key="tie_word_embeddings", expected=False, actual=True,
                                hint="the first stage holds the embedding, the last lm_head: untie them")
     n_layers = int(text.num_hidden_layers)

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.export import stages
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners, check_coverage, element_counts
@@ -168,7 +168,7 @@ def fake_world() -> Iterator[Any]:
     """Own the default process group for the simulation (refused if a real one exists); yields a
     function that makes this process rank ``r`` of ``W``."""
     if dist.is_initialized():
-        raise ExportInputError("the planner needs a process without a process group", key="torch.distributed",
+        raise InputError("the planner needs a process without a process group", key="torch.distributed",
                                expected="no default process group", actual=f"backend {dist.get_backend()}",
                                hint="run `nemo-moe-export plan` in its own process, not inside a job")
 
@@ -298,12 +298,12 @@ def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
     """The layout fits the world and the model, as ``recipe/checks.py`` and ``shard_model`` require
     (under pipeline stages, the strategy's sizes divide the ranks of a stage)."""
     if not isinstance(world, int) or world < 1:
-        raise ExportInputError("the world size must be a positive integer", key="--world", expected=">= 1",
+        raise InputError("the world size must be a positive integer", key="--world", expected=">= 1",
                                actual=world)
     check_strategy(parallel)
     pp = _pp_size(parallel)
     if pp < 1 or world % pp:
-        raise ExportInputError("the pipeline size must divide the world", key="parallel.pp_size",
+        raise InputError("the pipeline size must divide the world", key="parallel.pp_size",
                                expected=f"a divisor of {world}", actual=pp)
     stage = world // pp
     check_strategy(parallel, stage)
@@ -506,7 +506,7 @@ class _Expansion:
             keys = [key] if layers is None else [meta.member_key(key, layer) for layer in layers]
             missing = [k for k in keys if k not in self.position]
             if missing:
-                raise ExportInputError("a layer group does not map onto the plan", key=missing[0],
+                raise InputError("a layer group does not map onto the plan", key=missing[0],
                                        expected="a key of the export plan", actual="not planned",
                                        hint="the model's layers are not alike where their tensors say they are")
             self.members[key] = [self.position[k] for k in keys]
@@ -514,7 +514,7 @@ class _Expansion:
             self.rep_of[self.members[key]] = self.position[key]
         if not bool((covered == 1).all()):
             first = list(plan.tensors)[int((covered != 1).nonzero()[0])]
-            raise ExportInputError("the layer groups do not cover the plan exactly once", key=first,
+            raise InputError("the layer groups do not cover the plan exactly once", key=first,
                                    expected="1", actual=int(covered[self.position[first]]))
         self.planned_at = list(plan.tensors.values())  # by plan position
         self.file_of = [t.file for t in self.planned_at]
@@ -643,7 +643,7 @@ def _covered(plan: ExportPlan, counts: torch.Tensor) -> bool:
     """The export's own coverage check (``plan.check_coverage``) on the summed element counts."""
     try:
         check_coverage(plan, counts)
-    except ExportInputError:
+    except InputError:
         return False
     return True
 

@@ -86,7 +86,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from nemo_moe_export.collectives import butterfly_rounds
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = ["AGREEMENTS", "BOOKKEEPING_FILE_OPS", "METADATA_FILE_OPS", "STAGE_AGREEMENTS", "STAGE_RANK_VECTORS",
            "TimeModel", "VALIDATE_WORDS", "all_reduce_hops", "collectives", "exchange_collectives", "gather_hops",
@@ -151,15 +151,15 @@ class TimeModel:
     def __post_init__(self) -> None:
         for name in ("node_bandwidth", "checksum_bandwidth", "network_bandwidth"):
             if not getattr(self, name) > 0:
-                raise ExportInputError("bandwidth must be positive", key=name, expected="> 0 bytes/s",
+                raise InputError("bandwidth must be positive", key=name, expected="> 0 bytes/s",
                                        actual=getattr(self, name))
         for name in ("file_op_s", "collective_latency_s", "vector_hop_s", "gather_hop_s", "group_connect_s",
                      "nccl_all_reduce_s"):
             value = getattr(self, name)
             if not value >= 0:
-                raise ExportInputError("a time cannot be negative", key=name, expected=">= 0 seconds", actual=value)
+                raise InputError("a time cannot be negative", key=name, expected=">= 0 seconds", actual=value)
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
-            raise ExportInputError("ranks per node must be a positive integer", key="ranks_per_node",
+            raise InputError("ranks per node must be a positive integer", key="ranks_per_node",
                                    expected=">= 1", actual=self.ranks_per_node)
 
     @property

@@ -25,8 +25,9 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader
 
 from nemo_moe_export.config import BACKENDS, STAGES, model_dtype, validate_config
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
+from nemo_moe_export.evaluate.task import load_questions, load_task
 from nemo_moe_export.megatron.recipe import check_megatron_pipeline
 from nemo_moe_export.parallel import DEVICES
 from nemo_moe_export.recipe.data import SUBJECTS
@@ -61,13 +62,13 @@ def check_stages(cfg: Any) -> list[str]:
     stages = list(cfg.stages)
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
-        raise ExportInputError("unknown stage", key="stages", expected=f"a subset of {list(STAGES)}",
+        raise InputError("unknown stage", key="stages", expected=f"a subset of {list(STAGES)}",
                                actual=unknown)
     if len(set(stages)) != len(stages) or stages != sorted(stages, key=STAGES.index):
-        raise ExportInputError("stages must be unique and in pipeline order", key="stages",
+        raise InputError("stages must be unique and in pipeline order", key="stages",
                                expected=[s for s in STAGES if s in stages], actual=stages)
     if "train" not in stages and {"mmlu", "export"} & set(stages) and not cfg.export.from_checkpoint:
-        raise ExportInputError(
+        raise InputError(
             "mmlu/export without train need a trained checkpoint", key="export.from_checkpoint",
             expected="a checkpoint directory written by the train stage ({run_dir}/checkpoint)", actual=None,
             hint="run with stages=[export] export.from_checkpoint=runs/<name>/checkpoint",
@@ -85,7 +86,7 @@ def check_export_target(target: str, overwrite: str) -> None:
     recipe into the same ``run_dir`` fails in a second, not after training (the export step
     itself would refuse it only then)."""
     if overwrite == "error" and os.path.exists(target):
-        raise ExportInputError(
+        raise InputError(
             "export target already exists", key="export.output_dir",
             expected=f"no directory at {target} (export.overwrite=error)", actual="an existing path",
             hint="pass export.overwrite=replace to replace it atomically after training, "
@@ -97,7 +98,7 @@ def _check_target_parent(target: str, run_dir: str) -> None:
     """The export writes beside its target: the parent must exist (``run_dir`` is created by the run)."""
     parent = os.path.dirname(target)
     if parent != run_dir and not os.path.isdir(parent):
-        raise ExportInputError("the export target's folder does not exist", key="export.output_dir",
+        raise InputError("the export target's folder does not exist", key="export.output_dir",
                                expected=f"an existing directory {parent}", actual="missing",
                                hint="create it first, or point export.output_dir into an existing folder")
 
@@ -123,13 +124,13 @@ def check_parallel(parallel: Any, model: Any, world_size: int | None) -> None:
     if parallel.strategy in ("ep", "ep_fsdp"):
         ep = parallel.ep_size
         if stage_ranks % ep:
-            raise ExportInputError(
+            raise InputError(
                 "the expert-parallel size must divide the ranks" + _of_a_stage(parallel), key="parallel.ep_size",
                 expected=f"a divisor of the {stage_ranks} ranks: {_divisors(stage_ranks)}", actual=ep,
                 hint="change parallel.ep_size or the number of ranks (--nproc)")
         if model.n_experts % ep:
             fits = [d for d in _divisors(world_size) if model.n_experts % d == 0]
-            raise ExportInputError(
+            raise InputError(
                 "the expert count must divide by the expert-parallel size", key="parallel.ep_size",
                 expected=f"a divisor of model.n_experts={model.n_experts} and of {world_size} ranks: {fits}",
                 actual=ep, hint=f"or make model.n_experts a multiple of {ep}")
@@ -144,7 +145,7 @@ def check_strategy(parallel: Any, stage_ranks: int | None = None) -> None:
         return
     _positive("parallel.replicate", parallel.replicate)
     if stage_ranks % parallel.replicate:
-        raise ExportInputError(
+        raise InputError(
             "HSDP replicas must divide the ranks" + _of_a_stage(parallel), key="parallel.replicate",
             expected=f"a divisor of the {stage_ranks} ranks: {_divisors(stage_ranks)}", actual=parallel.replicate)
 
@@ -155,12 +156,12 @@ def _check_model_parallel(parallel: Any) -> None:
     for name in ("tp_size", "cp_size", "etp_size"):
         _positive(f"parallel.{name}", getattr(parallel, name))
         if getattr(parallel, name) != 1:
-            raise ExportInputError("the recipe does not run this kind of parallelism", key=f"parallel.{name}",
+            raise InputError("the recipe does not run this kind of parallelism", key=f"parallel.{name}",
                                    expected=1, actual=getattr(parallel, name),
                                    hint="plan such a job with `nemo-moe-export plan --tp/--cp/--etp`; torch TP "
                                         "models export through nemo_moe_export.recipe.tensor_parallel")
     if parallel.sequence_parallel:
-        raise ExportInputError("the recipe does not run sequence parallelism", key="parallel.sequence_parallel",
+        raise InputError("the recipe does not run sequence parallelism", key="parallel.sequence_parallel",
                                expected=False, actual=True, hint="plan such a job with `nemo-moe-export plan --sp`")
 
 
@@ -174,7 +175,7 @@ def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
     ranks of one stage (the world without pipeline stages)."""
     pp = parallel.pp_size
     if world_size % pp:
-        raise ExportInputError("the pipeline size must divide the ranks", key="parallel.pp_size",
+        raise InputError("the pipeline size must divide the ranks", key="parallel.pp_size",
                                expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=pp)
     if pp == 1 and parallel.stages_per_rank == 1 and not parallel.layers_per_stage:
         return world_size
@@ -183,15 +184,15 @@ def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
     stages = pp * parallel.stages_per_rank
     split = list(parallel.layers_per_stage or [])
     if split and (len(split) != stages or sum(split) != model.num_layers or min(split) < 1):
-        raise ExportInputError("parallel.layers_per_stage does not split the decoder layers", key="parallel.layers_per_stage",
+        raise InputError("parallel.layers_per_stage does not split the decoder layers", key="parallel.layers_per_stage",
                                expected=f"{stages} counts >= 1 (pp_size x stages_per_rank) summing to "
                                         f"model.num_layers={model.num_layers}", actual=split)
     if stages > model.num_layers:
-        raise ExportInputError("more pipeline stages than decoder layers", key="parallel.pp_size",
+        raise InputError("more pipeline stages than decoder layers", key="parallel.pp_size",
                                expected=f"pp_size x stages_per_rank <= model.num_layers={model.num_layers}",
                                actual=f"{pp} x {parallel.stages_per_rank} = {stages}")
     if parallel.microbatches < 0:
-        raise ExportInputError("negative microbatch count", key="parallel.microbatches",
+        raise InputError("negative microbatch count", key="parallel.microbatches",
                                expected=">= 0 (0: twice the stages)", actual=parallel.microbatches)
     return world_size // pp
 
@@ -213,7 +214,7 @@ def _check_trainer(trainer: Any, stages: list[str]) -> None:
     for name in ("warmup_steps", "grad_clip", "weight_decay"):
         value = getattr(trainer, name)
         if value < 0:
-            raise ExportInputError("must not be negative", key=f"trainer.{name}", expected=">= 0", actual=value)
+            raise InputError("must not be negative", key=f"trainer.{name}", expected=">= 0", actual=value)
 
 
 def _check_microbatches(parallel: Any, trainer: Any, stages: list[str]) -> None:
@@ -223,7 +224,7 @@ def _check_microbatches(parallel: Any, trainer: Any, stages: list[str]) -> None:
         return
     microbatches = parallel.microbatches or 2 * parallel.pp_size * parallel.stages_per_rank
     if trainer.batch_size % microbatches:
-        raise ExportInputError("the training batch must split into equal microbatches", key="trainer.batch_size",
+        raise InputError("the training batch must split into equal microbatches", key="trainer.batch_size",
                                expected=f"a multiple of {microbatches} microbatches (parallel.microbatches, "
                                         "0: twice the stages)", actual=trainer.batch_size)
 
@@ -232,38 +233,55 @@ def _check_microbatches(parallel: Any, trainer: Any, stages: list[str]) -> None:
 
 
 def _check_data(cfg: Any, stages: list[str]) -> None:
-    """The data the run will read: the synthetic corpus' numbers, or ``mmlu.data_path`` loaded now."""
+    """The data the run will read: the synthetic corpus' numbers, or ``mmlu.data_path`` loaded now
+    (as the evaluation's task reads it; the trainer reads MMLU-format data only, the synthetic
+    corpus for any other task)."""
     evaluates = cfg.mmlu.enabled and bool({"train", "mmlu", "verify"} & set(stages))
     if "train" not in stages and not evaluates:
         return
+    task = load_task(cfg.mmlu.task)
     if cfg.mmlu.data_path is None:
+        if evaluates and task.dataset_format != "mmlu":
+            raise InputError(f"task {task.name!r} needs its documents", key="mmlu.data_path",
+                                   expected=f"the folder of {task.name}'s files", actual=None,
+                                   hint="the synthetic corpus the recipe writes is MMLU-shaped")
         _check_synthetic_data(cfg, stages, evaluates)
         return
+    if task.dataset_format != "mmlu":  # the trainer's data is the synthetic corpus
+        _check_synthetic_data(cfg, stages, evaluates=False)
+        if evaluates:
+            _load_data(cfg, lambda: load_questions(task, cfg.mmlu.data_path, splits=[cfg.mmlu.split],
+                                                   subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None))
+        return
     splits = ["dev"] + (["train"] if "train" in stages else []) + ([cfg.mmlu.split] if evaluates else [])
-    try:
-        questions = load_mmlu(cfg.mmlu.data_path, splits=splits,
-                              subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None)
-    except ExportInputError as exc:  # the loader names the file; say which setting led there
-        raise ExportInputError(f"mmlu.data_path: {exc.problem}", key=exc.key, expected=exc.expected,
-                               actual=exc.actual, hint=exc.hint) from exc
+    questions = _load_data(cfg, lambda: load_mmlu(cfg.mmlu.data_path, splits=splits,
+                                                  subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None))
     if evaluates:
         subjects = {q.subject for q in questions if q.split == cfg.mmlu.split}
         require_dev_examples([q for q in questions if q.split == "dev"], subjects, cfg.mmlu.k_shot)
+
+
+def _load_data(cfg: Any, load: Any) -> Any:
+    try:
+        return load()
+    except InputError as exc:  # the loader names the file; say which setting led there
+        raise InputError(f"mmlu.data_path: {exc.problem}", key=exc.key, expected=exc.expected,
+                               actual=exc.actual, hint=exc.hint) from exc
 
 
 def _check_synthetic_data(cfg: Any, stages: list[str], evaluates: bool) -> None:
     data = cfg.data
     unknown = sorted(set(data.subjects or ()) - set(SUBJECTS))
     if unknown:
-        raise ExportInputError("unknown synthetic subject", key="data.subjects", expected=f"some of {list(SUBJECTS)}",
+        raise InputError("unknown synthetic subject", key="data.subjects", expected=f"some of {list(SUBJECTS)}",
                                actual=unknown, hint="or give your own data with mmlu.data_path")
     written = set(data.subjects or SUBJECTS)
     missing = sorted(set(cfg.mmlu.subjects or ()) - written)
     if evaluates and missing:
-        raise ExportInputError("MMLU subject(s) not in the synthetic corpus", key="mmlu.subjects",
+        raise InputError("MMLU subject(s) not in the synthetic corpus", key="mmlu.subjects",
                                expected=f"some of {sorted(written)}", actual=missing)
     if evaluates and cfg.mmlu.split != "test":
-        raise ExportInputError("the synthetic corpus has no such split", key="mmlu.split", expected="'test'",
+        raise InputError("the synthetic corpus has no such split", key="mmlu.split", expected="'test'",
                                actual=repr(cfg.mmlu.split), hint="or give your own data with mmlu.data_path")
     _positive("data.n_dev", data.n_dev)
     if "train" in stages:
@@ -271,7 +289,7 @@ def _check_synthetic_data(cfg: Any, stages: list[str], evaluates: bool) -> None:
     if evaluates:
         _positive("data.n_test", data.n_test)
         if data.n_dev < cfg.mmlu.k_shot:
-            raise ExportInputError("fewer dev questions than few-shot examples", key="data.n_dev",
+            raise InputError("fewer dev questions than few-shot examples", key="data.n_dev",
                                    expected=f">= mmlu.k_shot={cfg.mmlu.k_shot}", actual=data.n_dev)
 
 
@@ -280,7 +298,7 @@ def check_training_checkpoint(path: str, model: Any) -> None:
     tensors are the ones the configured model has, shape for shape."""
     problem = _not_a_training_checkpoint(path)
     if problem:
-        raise ExportInputError(
+        raise InputError(
             "export.from_checkpoint is not a training checkpoint", key="export.from_checkpoint",
             expected=f"a directory written by the train stage ({CHECKPOINT_METADATA} and tokenizer/)",
             actual=f"{path}: {problem}", hint="point it at {run_dir}/checkpoint of a finished training run")
@@ -291,7 +309,7 @@ def check_training_checkpoint(path: str, model: Any) -> None:
     differ = sorted(k for k in set(stored) | set(expected) if stored.get(k) != expected.get(k))
     if differ:
         key = differ[0]
-        raise ExportInputError(
+        raise InputError(
             f"export.from_checkpoint does not fit the configured model ({len(differ)} tensor(s) differ)",
             key=key, expected=f"shape {expected.get(key, 'absent')} (the model config builds)",
             actual=f"{stored.get(key, 'absent')} in {path}",
@@ -313,7 +331,7 @@ def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as exc:  # a truncated or foreign .metadata file
-        raise ExportInputError("unreadable training checkpoint metadata", key="export.from_checkpoint",
+        raise InputError("unreadable training checkpoint metadata", key="export.from_checkpoint",
                                expected="a torch.distributed.checkpoint .metadata file",
                                actual=f"{os.path.join(path, CHECKPOINT_METADATA)}: {type(exc).__name__}: {exc}",
                                ) from exc
@@ -333,13 +351,13 @@ def _model_shapes(model_cfg: Any, stored: dict[str, tuple[int, ...]]) -> dict[st
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...], problem: str) -> None:
     if value not in allowed:
-        raise ExportInputError(problem, key=key, expected=f"one of {list(allowed)}", actual=repr(value))
+        raise InputError(problem, key=key, expected=f"one of {list(allowed)}", actual=repr(value))
 
 
 def _positive(key: str, value: Any, *, number: bool = False) -> None:
     kinds = (int, float) if number else (int,)
     if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
-        raise ExportInputError("must be positive", key=key, expected="a number > 0" if number else "an integer >= 1",
+        raise InputError("must be positive", key=key, expected="a number > 0" if number else "an integer >= 1",
                                actual=repr(value))
 
 

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from hydra import compose, initialize_config_dir
 
 from nemo_moe_export.config import register_configs, validate_config
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = [
     "CONFIG_PATH_ENV", "DEFAULT_RECIPE", "RecipeArgs", "find_recipe", "hydra_overrides", "hydra_search_path",
@@ -65,7 +65,7 @@ def split_recipe_args(argv: list[str]) -> RecipeArgs:
             nproc = parse_nproc(arg.split("=", 1)[1])
         elif arg == "--config-dir":
             if not args:
-                raise ExportInputError("--config-dir needs a value", key="--config-dir", expected="a directory",
+                raise InputError("--config-dir needs a value", key="--config-dir", expected="a directory",
                                        actual="nothing", hint="write --config-dir DIR")
             config_dirs.append(args.pop(0))
         elif arg.startswith("--config-dir="):
@@ -82,7 +82,7 @@ def parse_nproc(value: str | None) -> int:
     except ValueError:
         nproc = None
     if nproc is None or nproc < 1:
-        raise ExportInputError("--nproc must be a positive integer", key="--nproc", expected="an integer >= 1",
+        raise InputError("--nproc must be a positive integer", key="--nproc", expected="an integer >= 1",
                                actual="nothing" if value is None else repr(value),
                                hint="--nproc N starts N local ranks; leave it out under torchrun or srun")
     return nproc
@@ -92,7 +92,7 @@ def packaged_dir(name: str) -> Path:
     """The installed package's ``conf`` or ``recipes`` folder, as a directory Hydra can read."""
     resource = files(PACKAGE) / name
     if not isinstance(resource, Path) or not resource.is_dir():
-        raise ExportInputError(
+        raise InputError(
             "packaged config folder missing", key=f"{PACKAGE}/{name}", expected="a directory in the installed package",
             actual=str(resource),
             hint="reinstall the package (pip install --force-reinstall nemo-moe-export); zipped installs are not supported",
@@ -103,7 +103,7 @@ def packaged_dir(name: str) -> Path:
 def _retired_env_check() -> None:
     for name in RETIRED_ENVS:
         if name in os.environ:
-            raise ExportInputError(
+            raise InputError(
                 "environment variable no longer read", key=name, expected="unset", actual=repr(os.environ[name]),
                 hint=f"unset it; add your own config folders with --config-dir DIR or {CONFIG_PATH_ENV}",
             )
@@ -119,7 +119,7 @@ def user_config_dirs(cli_dirs: list[str | os.PathLike] | tuple[str | os.PathLike
     for source, raw in given:
         path = Path(raw).expanduser().resolve()
         if not path.is_dir():
-            raise ExportInputError("config folder not found", key=source, expected="an existing directory",
+            raise InputError("config folder not found", key=source, expected="an existing directory",
                                    actual=repr(raw), hint="create it, or fix the path (relative paths start at the current directory)")
         if path not in dirs:
             dirs.append(path)
@@ -145,7 +145,7 @@ def find_recipe(recipe: str, user_dirs: list[Path]) -> Path:
         if candidate.is_file():
             return candidate
     known = "; ".join(f"{folder}: {sorted(p.stem for p in folder.glob('*.yaml'))}" for folder in recipe_dirs)
-    raise ExportInputError(
+    raise InputError(
         "unknown recipe", key="recipe", expected=f"a recipe in one of the searched folders ({known})",
         actual=repr(recipe), hint=f"add your own with --config-dir DIR (DIR/{recipe}.yaml) or {CONFIG_PATH_ENV}",
     )
@@ -160,7 +160,7 @@ def hydra_overrides(search_path: list[Path], overrides: list[str] | tuple[str, .
     """The overrides Hydra gets: the search path first, then the user's own."""
     for override in overrides:
         if override.lstrip("+~").startswith("hydra.searchpath"):
-            raise ExportInputError(
+            raise InputError(
                 "hydra.searchpath is set by nemo-moe-export", key="hydra.searchpath",
                 expected="no override of it", actual=repr(override),
                 hint=f"add config folders with --config-dir DIR or {CONFIG_PATH_ENV} instead",

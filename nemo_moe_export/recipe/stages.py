@@ -48,6 +48,7 @@ from transformers import AutoTokenizer
 from nemo_moe_export.evaluate.callback import MMLUCallback
 from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.scoring import results_to_markdown
+from nemo_moe_export.evaluate.task import Task, load_questions, load_task
 from nemo_moe_export.export import ExportStep, verify_checkpoint
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.hooks import HookList, RecipeContext
@@ -109,7 +110,27 @@ def _stage_hooks(cfg: Any, run_dir: str, stages: list[str], mmlu_options: Any) -
 
 
 def _data_root(cfg: Any, run_dir: str) -> str:
-    return cfg.mmlu.data_path or os.path.join(run_dir, "data")
+    """Where the evaluation reads its task's documents: ``mmlu.data_path``, else the synthetic corpus."""
+    return cfg.mmlu.data_path or _synthetic_root(run_dir)
+
+
+def _synthetic_root(run_dir: str) -> str:
+    return os.path.join(run_dir, "data")
+
+
+def _training_root(cfg: Any, run_dir: str, task: Task) -> str:
+    """Where the reference trainer reads its MMLU-format train split: the evaluation's data when that
+    is MMLU-format, else the synthetic corpus (a task of another format has no train split it reads)."""
+    return cfg.mmlu.data_path if cfg.mmlu.data_path and task.dataset_format == "mmlu" else _synthetic_root(run_dir)
+
+
+def _task_words(task: Task, root: str, split: str) -> str:
+    """The evaluated documents' prompts and choices, for the word-level tokenizer's vocabulary (the
+    synthetic corpus only covers MMLU-format files)."""
+    if task.dataset_format == "mmlu":
+        return ""
+    return " ".join(task.context(q, []) + " " + " ".join(task.continuations(q))
+                    for q in load_questions(task, root, splits=[split]))
 
 
 def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
@@ -157,7 +178,7 @@ def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | No
             json.dump(_to_plain(cfg), f, indent=2)
     log.info(f"recipe {cfg.name}: stages {stages}, {info.world_size} rank(s) on {device}, run dir {run_dir}")
 
-    ctx, hooks = _setup(cfg, run_dir, info, log, device, mmlu_callback)
+    ctx, hooks = _setup(checked, info, log, device)
     results: dict[str, Any] = ctx.results
     if "train" in stages:
         _train_stage(checked, ctx, hooks, log)
@@ -174,7 +195,7 @@ def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | No
     if info.rank == 0:
         with open(os.path.join(run_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2, default=str)
-        log.info(_summary(results, run_dir))
+        log.info(_summary(results, run_dir, checked.mmlu_options.task))
     if info.initialized:
         dist.barrier()
     return results
@@ -203,9 +224,11 @@ def _export_stage(ctx: Any, export_step: Any, log: Any) -> None:
              f"to {result.path} in {result.seconds:.2f} s")
 
 
-def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callback: Any) -> tuple[Any, Any]:
-    data_root = _data_root(cfg, run_dir)
-    if cfg.mmlu.data_path is None and info.rank == 0:
+def _setup(checked: CheckedRecipe, info: Any, log: Any, device: str) -> tuple[Any, Any]:
+    cfg, run_dir, mmlu_callback = checked.cfg, checked.run_dir, checked.mmlu
+    task = load_task(checked.mmlu_options.task)
+    data_root = _training_root(cfg, run_dir, task)
+    if data_root == _synthetic_root(run_dir) and info.rank == 0:
         write_synthetic_mmlu(data_root, seed=cfg.data.seed, n_train=cfg.data.n_train, n_dev=cfg.data.n_dev,
                              n_test=cfg.data.n_test, subjects=cfg.data.subjects)
     if info.initialized:
@@ -214,7 +237,8 @@ def _setup(cfg: Any, run_dir: str, info: Any, log: Any, device: str, mmlu_callba
     if from_checkpoint:
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(from_checkpoint, "tokenizer"))
     else:
-        tokenizer = build_tokenizer(data_root)
+        words = _task_words(task, _data_root(cfg, run_dir), checked.mmlu_options.split) if mmlu_callback else ""
+        tokenizer = build_tokenizer(data_root, extra_text=words)
     model, layout = build_sharded_model(cfg.model, cfg.parallel, vocab_size=len(tokenizer),
                                         pad_token_id=tokenizer.pad_token_id, device=device)
     if from_checkpoint:
@@ -263,7 +287,8 @@ def _verify(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], info: Any
             options = os.path.join(checked.run_dir, "reload_mmlu_options.json")
             with open(options, "w") as f:
                 json.dump(asdict(checked.mmlu_options), f, indent=1)
-            cmd = [sys.executable, "-m", "nemo_moe_export.recipe.reload", path, ctx.data_root, out, "--options", options]
+            cmd = [sys.executable, "-m", "nemo_moe_export.recipe.reload", path, str(checked.mmlu.data_path), out,
+                   "--options", options]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
             if proc.returncode != 0:
@@ -288,7 +313,7 @@ def _verify(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], info: Any
     return outcome
 
 
-def _summary(results: dict[str, Any], run_dir: str) -> str:
+def _summary(results: dict[str, Any], run_dir: str, task: str) -> str:
     lines = ["", "=" * 72, "summary"]
     if "train" in results:
         t = results["train"]
@@ -296,9 +321,9 @@ def _summary(results: dict[str, Any], run_dir: str) -> str:
                      f"({t['seconds']} s)")
     mmlu = results.get("mmlu")
     if mmlu:
-        lines.append(f"  mmlu   : overall acc {mmlu['overall']['acc']:.3f} ({mmlu['overall'].get('n', '?')} "
-                     "held-out questions)")
-        lines.append(results_to_markdown(mmlu))
+        lines.append(f"  eval   : {load_task(task).display_name} overall acc {mmlu['overall']['acc']:.3f} "
+                     f"({mmlu['overall'].get('n', '?')} held-out questions)")
+        lines.append(results_to_markdown(mmlu, task))
     if "export" in results:
         e = results["export"]
         lines.append(f"  export : {e['path']} ({e['bytes'] / 1e6:.1f} MB, {e['files']} files, {e['seconds']} s)")

@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 
 __all__ = ["MLA_TYPES", "parallelize_tp", "parallelize_tp_fsdp", "tp_plan"]
 
@@ -83,7 +83,10 @@ def tp_plan(model: Any) -> dict[str, ParallelStyle]:
         elif style == _HEAD_NORM:
             plan[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if config.model_type in MLA_TYPES:
-        query = "self_attn.q_proj" if getattr(config, "q_lora_rank", None) is None else "self_attn.q_b_proj"
+        lora = getattr(config, "q_lora_rank", None) is not None  # a low-rank query: q_a_proj, then q_b_proj
+        query, absent = ("self_attn.q_b_proj", "self_attn.q_proj") if lora else ("self_attn.q_proj", "self_attn.q_b_proj")
+        # transformers 5.25's plan lists both MLA query projections; the config has one of them
+        plan.pop(absent, None)
         plan.update({query: ColwiseParallel(), "self_attn.kv_b_proj": ColwiseParallel(),
                      "self_attn.o_proj": RowwiseParallel()})
     return plan
@@ -148,6 +151,6 @@ def _check_divides(config: Any, tp: int) -> None:
         sizes["num_key_value_heads"] = config.num_key_value_heads
     for field, value in sizes.items():
         if value % tp:
-            raise ExportInputError("the tensor-parallel size must divide the model's heads and vocabulary",
+            raise InputError("the tensor-parallel size must divide the model's heads and vocabulary",
                                    key=field, expected=f"a multiple of tp={tp}", actual=value,
                                    hint="choose a TP size that divides the attention and KV heads and the vocabulary")

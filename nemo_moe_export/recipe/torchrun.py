@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nemo_moe_export.errors import ExportInputError, Stopped
+from nemo_moe_export.errors import InputError, Stopped
 
 __all__ = ["STOP_CLEANUP_S", "STOP_GRACE_S", "STOP_SIGNALS", "check_local_resources", "run_torchrun",
            "stop_on_signals", "stopped_by"]
@@ -63,7 +63,7 @@ def check_local_resources(nproc: int, device: str) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and gpus < nproc:
-        raise ExportInputError("not enough GPUs for one per rank", key="--nproc",
+        raise InputError("not enough GPUs for one per rank", key="--nproc",
                                expected=f"<= {gpus} (the visible GPUs) with parallel.device=cuda", actual=nproc)
     if device == "cuda" or (device == "auto" and gpus >= nproc):
         return

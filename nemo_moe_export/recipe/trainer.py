@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.config import BACKENDS, ModelConfig, ParallelConfig, TrainerConfig
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.callback import LOSS_HISTORY_KEY
 from nemo_moe_export.evaluate.data import load_mmlu
 from nemo_moe_export.evaluate.prompts import build_prompt, select_fewshot
@@ -59,7 +59,7 @@ def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
     ``parallel`` says, or (``model.backend: megatron_core``) a megatron-core model that
     ``parallel_state`` shards while it is built (``nemo_moe_export/megatron/recipe.py``)."""
     if model_cfg.backend not in BACKENDS:
-        raise ExportInputError("unknown model backend", key="model.backend", expected=BACKENDS,
+        raise InputError("unknown model backend", key="model.backend", expected=BACKENDS,
                                actual=repr(model_cfg.backend))
     if model_cfg.backend == "megatron_core":
         return build_recipe_model(model_cfg, parallel_cfg, vocab_size=vocab_size, device=device)
@@ -238,11 +238,11 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     ``mmlu.k_shot``; no default here, so the two cannot drift apart).
     """
     if hooks is not None and ctx is None:
-        raise ExportInputError("hooks need the context they share", key="ctx",
+        raise InputError("hooks need the context they share", key="ctx",
                                expected="a RecipeContext (nemo_moe_export.hooks.make_context)", actual=None)
     examples = _training_examples(data_root, tokenizer, k_shot)
     if not examples:
-        raise ExportInputError("no training questions", key=data_root, expected="train/*_train.csv", actual=0)
+        raise InputError("no training questions", key=data_root, expected="train/*_train.csv", actual=0)
     # each data-parallel rank its own stream of examples (the stages of one pipeline share theirs)
     rng = random.Random(cfg.seed * 7919 + layout.dp.rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)

@@ -1,4 +1,4 @@
-"""Step 2 of an evaluation, *plan*: the global list of forwards, and which one each rank runs at each step.
+"""Step 2 of an evaluation, *batching*: the global list of forwards, and which one each rank runs at each step.
 
 No communication happens here: every rank computes the same global plan from the same prepared
 rows and derives its own steps from it, so all ranks agree on the step count without asking each
@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from nemo_moe_export.errors import ExportInputError
+from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.options import POLICIES
 from nemo_moe_export.evaluate.prefix_attention import shares_prefix_keys
 from nemo_moe_export.evaluate.prefixes import SharedPrefix
@@ -106,7 +106,7 @@ def plan_batches(rows: Sequence[Row], batch_size: int, *, token_budget: int = 0,
     one row, the prefix's keys shared: :mod:`.prefix_attention`) a forward costs the tokens it
     feeds, no padding and no copied prefix. Deterministic: ties are broken by row id."""
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ExportInputError("batch_size must be a positive integer", key="batch_size", expected=">= 1",
+        raise InputError("batch_size must be a positive integer", key="batch_size", expected=">= 1",
                                actual=batch_size)
     budget = _Budget(batch_size, token_budget)
     shared = {r for p in prefixes for r in p.rows}
