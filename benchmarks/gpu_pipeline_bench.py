@@ -336,8 +336,8 @@ def _measure(ctx: Any, cfg: Any, args: argparse.Namespace) -> None:
 
 
 def _rank_main(args: argparse.Namespace) -> None:
-    from nemo_moe_export.recipe.compose import load_config
-    from nemo_moe_export.recipe.stages import run_recipe
+    from nemo_moe_export.job.compose import load_config
+    from nemo_moe_export.job.stages import run_recipe
 
     cfg = load_config(RECIPE, [f"run_dir={args.run_dir}", *args.overrides])
     results = run_recipe(cfg, after=lambda ctx: _measure(ctx, cfg, args))

@@ -3,7 +3,7 @@
 One run, on CPU ranks (gloo), on one DeepSeek-V3-style model (``mmlu_bench.build_model`` of the
 size flags; the default is about 66 MB in fp32, so the disk's share of the export is visible). Every
 rank builds the same weights (seeded) and shards copies of them with the recipe's own functions
-(``recipe.trainer.shard_model`` without PP, ``recipe.pipelined.shard_pipelined`` with PP: mesh
+(``job.trainer.shard_model`` without PP, ``job.pipelined.shard_pipelined`` with PP: mesh
 ``("pp", ...)`` with "pp" outermost, stages from ``split_stages``, the strategy applied inside each
 stage). All layouts live in the same spawned ranks at once, and their runs are interleaved, each
 repeat starting at another layout, so a shared host's drifting load hits them alike.
@@ -84,8 +84,8 @@ def _layouts(base: Any, world: int, args: argparse.Namespace, parts: set[str]) -
     order on every rank (each builds process groups: collectives over the world)."""
     from nemo_moe_export.config import ParallelConfig
     from nemo_moe_export.pipeline import PipelinedCausalLM
-    from nemo_moe_export.recipe.pipelined import shard_pipelined
-    from nemo_moe_export.recipe.trainer import _shard_other_dtype_modules, shard_model
+    from nemo_moe_export.job.pipelined import shard_pipelined
+    from nemo_moe_export.job.trainer import _shard_other_dtype_modules, shard_model
 
     ep = world // PP_STAGES
     out: dict[str, dict[str, Any]] = {}

@@ -4,7 +4,7 @@ For each world size, on the same model and layout (docs/design.md#planner):
 
 1. ``nemo_moe_export.planner`` simulates the export on ``W`` ranks (one node) and records every
    rank's byte runs; the checksum bandwidth (``replicas.checksum``, one process) is measured;
-2. ``W`` gloo ranks (``spawn``) build the model, sharded by ``recipe/trainer.shard_model``, and
+2. ``W`` gloo ranks (``spawn``) build the model, sharded by ``job/trainer.shard_model``, and
    measure what the time model takes, the way it assumes it, among themselves: the latency of
    each kind of collective the export makes (an agreement, ``Coordinator.agree``, over its
    butterfly's rounds; on gloo rings as the model's groups run the replica check, a vector
@@ -26,7 +26,7 @@ With ``--pp P`` (``--stages-per-rank``, ``--layers-per-stage``) the job has pipe
 rank builds its stages with ``pipeline.stages.split_stages``, shards them inside the stage on
 meshes with "pp" outermost, and exports them with ``pp_group=``. With ``--tp T`` / ``--cp C``
 (FSDP only) the ranks build the torchtitan layout: mesh ``("dp", "cp", "tp")`` (sizes 1 left
-out), ``recipe.tensor_parallel.parallelize_tp`` over "tp", ``fully_shard`` over "dp".
+out), ``job.tensor_parallel.parallelize_tp`` over "tp", ``fully_shard`` over "dp".
 
 Prints JSON (and writes it with ``--out``):
 
@@ -233,7 +233,7 @@ def _build_model(args, strategy):
     from transformers import AutoModelForCausalLM
 
     from nemo_moe_export.config import ParallelConfig
-    from nemo_moe_export.recipe.trainer import shard_model
+    from nemo_moe_export.job.trainer import shard_model
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_config(args), dtype=torch.bfloat16)
@@ -256,7 +256,7 @@ def _model_parallel(model, parallel):
     from torch.distributed.device_mesh import init_device_mesh
 
     from nemo_moe_export.planner.model_parallel import model_parallel_of
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
+    from nemo_moe_export.job.tensor_parallel import parallelize_tp_fsdp
 
     shape, names = model_parallel_of(parallel).root(dist.get_world_size())  # the planner's own mesh
     return parallelize_tp_fsdp(model, init_device_mesh("cpu", shape, mesh_dim_names=names))
@@ -264,11 +264,11 @@ def _model_parallel(model, parallel):
 
 def _stage_parts(model, parallel):
     """This rank's stages of ``model``, sharded inside the stage as the recipe lays a pipelined job
-    out (``recipe/pipelined.py``: "pp" outermost), and the pipeline group."""
+    out (``job/pipelined.py``: "pp" outermost), and the pipeline group."""
     import torch.distributed as dist
 
-    from nemo_moe_export.recipe.pipelined import shard_pipelined
-    from nemo_moe_export.recipe.trainer import _shard_other_dtype_modules
+    from nemo_moe_export.job.pipelined import shard_pipelined
+    from nemo_moe_export.job.trainer import _shard_other_dtype_modules
 
     pipelined, _ = shard_pipelined(model, parallel, dist.get_world_size(), shard_other_dtypes=_shard_other_dtype_modules)
     return list(pipelined.parts), pipelined.pipeline_group

@@ -1,6 +1,6 @@
 """Write load and replica-check cost of the export on every mesh the recipe shards with.
 
-For FSDP, HSDP 2x2, EP=2 x expert-DP=2 and EP x FSDP (``recipe/trainer.py shard_model``) on 4 CPU
+For FSDP, HSDP 2x2, EP=2 x expert-DP=2 and EP x FSDP (``job/trainer.py shard_model``) on 4 CPU
 gloo ranks, one DeepSeek-V3-style model per mesh, the script prints JSON per mesh:
 
 * ``rank_bytes``: what each rank wrote (replicas share the writing, docs/design.md#replica-agreement),
@@ -34,7 +34,7 @@ MESHES = ("fsdp", "hsdp", "ep", "ep_fsdp")
 
 def _model(args, mesh):
     from nemo_moe_export.config import ParallelConfig
-    from nemo_moe_export.recipe.trainer import shard_model
+    from nemo_moe_export.job.trainer import shard_model
     from nemo_moe_export.tiny_models import tiny_model
 
     model = tiny_model("deepseek_v3", n_experts=args.experts, hidden_size=args.hidden,

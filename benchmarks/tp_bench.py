@@ -52,7 +52,7 @@ def build(args: argparse.Namespace, mesh: Any) -> Any:
     """The benchmark model, TP over mesh["tp"] and FSDP2 over mesh["dp"]."""
     import torch
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
+    from nemo_moe_export.job.tensor_parallel import parallelize_tp_fsdp
     from nemo_moe_export.tiny_models import tiny_model
 
     model = tiny_model("deepseek_v3", n_experts=args.experts, hidden_size=args.hidden, num_layers=args.layers,

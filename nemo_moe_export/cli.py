@@ -53,13 +53,13 @@ from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.integrations.nemo_run import launch_main
 from nemo_moe_export.planner import TimeModel, format_table, plan_job
 from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
-from nemo_moe_export.recipe.checks import STRATEGIES
-# Config composition lives a layer down (recipe/compose.py), shared with the NeMo-Run launcher
+from nemo_moe_export.job.checks import STRATEGIES
+# Config composition lives a layer down (job/compose.py), shared with the NeMo-Run launcher
 # (integrations/nemo_run.py).
-from nemo_moe_export.recipe.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
+from nemo_moe_export.job.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
                                             split_recipe_args, user_config_dirs)
-from nemo_moe_export.recipe.stages import check_recipe, run_recipe
-from nemo_moe_export.recipe.torchrun import check_local_resources, run_torchrun, stop_on_signals, stopped_by
+from nemo_moe_export.job.stages import check_recipe, run_recipe
+from nemo_moe_export.job.torchrun import check_local_resources, run_torchrun, stop_on_signals, stopped_by
 
 __all__ = ["DEBUG_ENV", "main"]
 
@@ -136,7 +136,7 @@ def _job_failure(exc: BaseException) -> int:
 def _check_before_start(recipe: str, overrides: list[str], config_dirs: list[str], nproc: int | None) -> Any:
     """Compose and check the whole config once before anything starts: in the ``--nproc`` launcher
     for ``nproc`` ranks (and the machine for them), else for the ranks torchrun started. Returns
-    the checked recipe (``recipe/stages.py``'s ``CheckedRecipe``), which a rank then runs."""
+    the checked recipe (``job/stages.py``'s ``CheckedRecipe``), which a rank then runs."""
     cfg = load_config(recipe, overrides, config_dirs)
     if nproc is not None:
         check_local_resources(nproc, cfg.parallel.device)

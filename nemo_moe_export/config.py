@@ -86,7 +86,7 @@ class ParallelConfig:
     parallel, 1 in every Megatron-Bridge recipe of docs/design.md#planner) and
     ``sequence_parallel`` (activations only: no weight moves) describe meshes the planner plans
     (``nemo-moe-export plan --tp --cp --etp --sp``); the recipe runs none of them yet and refuses
-    them (``recipe/checks.py``).
+    them (``job/checks.py``).
     """
 
     strategy: str = "fsdp"

@@ -265,7 +265,7 @@ def test_composed_recipe_is_the_schema_defaults_plus_what_presets_and_recipe_sta
     """Nothing else sets a value: no hidden default in base.yaml, the CLI or the composition."""
     from omegaconf import OmegaConf
 
-    from nemo_moe_export.recipe.compose import load_config
+    from nemo_moe_export.job.compose import load_config
 
     composed = OmegaConf.to_container(load_config(recipe.stem), resolve=True)
     stated = _stated(recipe)
@@ -277,7 +277,7 @@ def test_composed_recipe_is_the_schema_defaults_plus_what_presets_and_recipe_sta
 
 
 def test_the_default_recipe_is_checked():
-    from nemo_moe_export.recipe.compose import DEFAULT_RECIPE
+    from nemo_moe_export.job.compose import DEFAULT_RECIPE
 
     assert DEFAULT_RECIPE in {r.stem for r in RECIPES}
 

@@ -119,7 +119,7 @@ def _offsets(tensor):
 def _mesh_exports(rank, world, workdir):
     from nemo_moe_export.config import ParallelConfig
     from nemo_moe_export.export import export_hf_checkpoint
-    from nemo_moe_export.recipe.trainer import shard_model
+    from nemo_moe_export.job.trainer import shard_model
     from nemo_moe_export.tiny_models import tiny_model
 
     out = {}

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.recipe.compose import load_config
+from nemo_moe_export.job.compose import load_config
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 CLI = [sys.executable, "-m", "nemo_moe_export"]
@@ -83,7 +83,7 @@ def test_debug_asks_for_the_traceback(tmp_path):
     (["--nproc", "-2"], "got '-2'"), (["--nproc=four"], "got 'four'"), (["--nproc"], "got nothing"),
 ])
 def test_nproc_must_be_a_positive_integer(argv, says):
-    from nemo_moe_export.recipe.compose import split_recipe_args
+    from nemo_moe_export.job.compose import split_recipe_args
 
     with pytest.raises(InputError, match=r"--nproc must be a positive integer \(key '--nproc'\)") as info:
         split_recipe_args(["recipe=deepseek_v3_tiny", *argv])
@@ -118,7 +118,7 @@ def test_under_torchrun_only_rank0_says_it(tmp_path):
         "target-parent", "missing-checkpoint"])
 def test_the_whole_config_is_checked_before_any_work(overrides, says, tmp_path):
     """What would fail only after training, or inside init_distributed, fails here for 4 ranks."""
-    from nemo_moe_export.recipe.stages import check_recipe
+    from nemo_moe_export.job.stages import check_recipe
 
     run_dir = tmp_path / "run"
     cfg = load_config("deepseek_v3_tiny", [f"run_dir={run_dir}", *[o.format(tmp=tmp_path) for o in overrides]])
@@ -129,8 +129,8 @@ def test_the_whole_config_is_checked_before_any_work(overrides, says, tmp_path):
 
 def test_mmlu_data_is_loaded_before_training(tmp_path):
     """A user data set with an empty file is refused before the first step, naming the file."""
-    from nemo_moe_export.recipe.data import write_synthetic_mmlu
-    from nemo_moe_export.recipe.stages import check_recipe
+    from nemo_moe_export.job.data import write_synthetic_mmlu
+    from nemo_moe_export.job.stages import check_recipe
 
     data = write_synthetic_mmlu(tmp_path / "data", n_train=4, n_dev=2, n_test=3)
     (data / "test" / "parity_test.csv").write_text("")
@@ -142,9 +142,9 @@ def test_mmlu_data_is_loaded_before_training(tmp_path):
 def test_a_checkpoint_of_another_model_is_refused_naming_the_tensor(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from nemo_moe_export.recipe.checks import check_training_checkpoint
-    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
-    from nemo_moe_export.recipe.trainer import build_model
+    from nemo_moe_export.job.checks import check_training_checkpoint
+    from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
+    from nemo_moe_export.job.trainer import build_model
 
     cfg = load_config("deepseek_v3_tiny")
     tokenizer = build_tokenizer(write_synthetic_mmlu(tmp_path / "data", n_train=2, n_dev=1, n_test=1))

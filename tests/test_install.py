@@ -4,7 +4,7 @@ The wheel and the sdist are built from a copy of this checkout; the wheel is ins
 editable, into a fresh virtual environment that borrows this environment's installed dependencies;
 the installed ``nemo-moe-export`` then runs from an empty folder: ``verify`` on a real checkpoint, a
 packaged recipe on two ranks, and a user recipe from a ``--config-dir`` folder. The second half
-checks the config-folder search order in process (``nemo_moe_export/recipe/compose.py``).
+checks the config-folder search order in process (``nemo_moe_export/job/compose.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.recipe.compose import CONFIG_PATH_ENV, load_config, split_recipe_args
+from nemo_moe_export.job.compose import CONFIG_PATH_ENV, load_config, split_recipe_args
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = REPO / "nemo_moe_export"
@@ -131,7 +131,7 @@ def test_sdist_carries_every_config_file(sdist):
 # -- the installed command, from an empty folder ---------------------------------------------------
 
 def test_the_import_is_the_wheel_not_the_checkout(fresh):
-    probe = ("import json, sys, nemo_moe_export; from nemo_moe_export.recipe.compose import packaged_dir; "
+    probe = ("import json, sys, nemo_moe_export; from nemo_moe_export.job.compose import packaged_dir; "
              "print(json.dumps({'file': nemo_moe_export.__file__, 'path': sys.path, "
              "'conf': str(packaged_dir('conf')), 'recipes': str(packaged_dir('recipes'))}))")
     seen = json.loads(_run([fresh["python"], "-c", probe], cwd=fresh["cwd"], env=fresh["env"]).stdout)
@@ -179,7 +179,7 @@ def test_unknown_recipe_names_every_searched_folder(fresh, tmp_path):
 
 
 def test_the_launcher_does_not_import_the_cli():
-    # nemo_run.py and cli.py share recipe/compose.py instead of importing each other.
+    # nemo_run.py and cli.py share job/compose.py instead of importing each other.
     probe = ("import sys, nemo_moe_export.integrations.nemo_run; "
              "assert 'nemo_moe_export.cli' not in sys.modules, 'nemo_run imports cli'")
     _run([sys.executable, "-c", probe], timeout=120)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from nemo_moe_export.export import verify_checkpoint
 from nemo_moe_export.integrations import plugin_hooks
-from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
 from nemo_moe_export.tiny_models import tiny_model
 
 

@@ -71,7 +71,7 @@ def _model(family: str, vocab_size: int, seed: int = 0, dispatcher: str = "allto
 
 def _inputs(data_root: str):
     from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.recipe.data import build_tokenizer
+    from nemo_moe_export.job.data import build_tokenizer
 
     questions = load_mmlu(data_root)
     return (build_tokenizer(data_root), [q for q in questions if q.split == "test"],
@@ -133,8 +133,8 @@ def _bridge_path(model, tok, data_root: str, workdir: str) -> dict:
 
 def _recipe(workdir: str) -> dict:
     """The packaged megatron-core recipe, every stage, in these ranks (it initialises parallel_state)."""
-    from nemo_moe_export.recipe.compose import load_config
-    from nemo_moe_export.recipe.stages import run_recipe
+    from nemo_moe_export.job.compose import load_config
+    from nemo_moe_export.job.stages import run_recipe
 
     cfg = load_config("megatron_deepseek_v3_tiny", [f"run_dir={workdir}/recipe", *RECIPE_QUICK])
     return run_recipe(cfg)
@@ -233,7 +233,7 @@ def _two_rank_worker(rank: int, world: int, data_root: str, workdir: str) -> dic
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from nemo_moe_export.recipe.data import write_synthetic_mmlu
+    from nemo_moe_export.job.data import write_synthetic_mmlu
 
     root = tmp_path_factory.mktemp("megatron")
     data_root, workdir = str(root / "data"), str(root / "out")
@@ -337,7 +337,7 @@ def test_bridge_callback_wraps_the_chunk_evaluates_and_exports(runs):
 def test_the_megatron_recipe_trains_evaluates_exports_and_reloads_the_same_answers(runs, tmp_path):
     """train -> MMLU (megatron's all-to-all, EP=2 x DP=2) -> export, then the recipe's own reload
     with transformers: the checkpoint answers every question as the trained megatron-core model did."""
-    from nemo_moe_export.recipe import reload
+    from nemo_moe_export.job import reload
 
     results = runs["four"][0]["recipe"]
     assert results["train"]["steps"] == 8 and results["train"]["last_loss"] < results["train"]["first_loss"]

@@ -150,7 +150,7 @@ def _model(case: str, vocab_size: int, pipeline: bool, seed: int = 0, **wrapper)
 
 def _inputs(data_root: str):
     from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.recipe.data import build_tokenizer
+    from nemo_moe_export.job.data import build_tokenizer
 
     questions = load_mmlu(data_root)
     return (build_tokenizer(data_root), [q for q in questions if q.split == "test"],
@@ -192,7 +192,7 @@ def _train_step(case: str, vocab_size: int, pipeline: bool) -> dict:
     as the recipe's trainer averages them (``_sync_unsharded_grads``)."""
     from megatron.core import parallel_state as ps
 
-    from nemo_moe_export.recipe.trainer import _sync_unsharded_grads
+    from nemo_moe_export.job.trainer import _sync_unsharded_grads
 
     model = _model(case, vocab_size, pipeline, microbatches=TRAIN_MICROBATCHES)
     dp = model.layout.dp if pipeline else None  # the reference: rank 0 alone, the whole batch
@@ -328,7 +328,7 @@ def _worker(rank: int, world: int, data_root: str, workdir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from nemo_moe_export.recipe.data import write_synthetic_mmlu
+    from nemo_moe_export.job.data import write_synthetic_mmlu
 
     root = tmp_path_factory.mktemp("megatron_pp")
     data_root, workdir = str(root / "data"), str(root / "out")

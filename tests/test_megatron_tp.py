@@ -231,7 +231,7 @@ def _drifted_replica(model, path: str) -> str | None:
 
 def _inputs(data_root: str) -> tuple:
     from nemo_moe_export.evaluate.data import load_mmlu
-    from nemo_moe_export.recipe.data import build_tokenizer
+    from nemo_moe_export.job.data import build_tokenizer
 
     questions = load_mmlu(data_root)
     return (build_tokenizer(data_root), [q for q in questions if q.split == "test"],
@@ -286,7 +286,7 @@ def _context_parallel_refusal() -> str | None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+    from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
 
     workdir = str(tmp_path_factory.mktemp("megatron_tp"))
     data_root = os.path.join(workdir, "data")

@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 
-from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
 from nemo_moe_export.tiny_models import tiny_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

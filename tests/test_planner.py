@@ -229,7 +229,7 @@ class _CollectiveLog:
 
 def _real_exports(world, workdir):
     from nemo_moe_export.export import export_hf_checkpoint
-    from nemo_moe_export.recipe.trainer import shard_model
+    from nemo_moe_export.job.trainer import shard_model
     from nemo_moe_export.tiny_models import tiny_model
 
     out = {}
@@ -273,7 +273,7 @@ def _model_parallel_model(parallel, family):
     FSDP2 over "dp"."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
+    from nemo_moe_export.job.tensor_parallel import parallelize_tp_fsdp
     from nemo_moe_export.tiny_models import tiny_model
 
     inner = "tp" if parallel.tp_size > 1 else "cp"
@@ -298,9 +298,9 @@ def _real_model_parallel_exports(world, workdir):
 
 def _stage_parts(parallel, world):
     """This rank's stage modules, sharded inside the stage as the recipe lays a pipelined job out
-    (``recipe/pipelined.py``: "pp" outermost), and the pipeline group."""
-    from nemo_moe_export.recipe.pipelined import shard_pipelined
-    from nemo_moe_export.recipe.trainer import _shard_other_dtype_modules
+    (``job/pipelined.py``: "pp" outermost), and the pipeline group."""
+    from nemo_moe_export.job.pipelined import shard_pipelined
+    from nemo_moe_export.job.trainer import _shard_other_dtype_modules
     from nemo_moe_export.tiny_models import tiny_model
 
     model, _ = shard_pipelined(tiny_model("deepseek_v3", **TINY), parallel, world,
@@ -438,7 +438,7 @@ def test_cli_plans_mmlu_steps_and_rows_per_rank_per_policy(tmp_path, capsys):
     the same number of steps, each batch split over the 4 ranks; expert_dp splits rows over the 2
     expert-DP shards, the 2 ranks of an EP group running the same ones."""
     from nemo_moe_export.cli import main
-    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+    from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
 
     data = write_synthetic_mmlu(tmp_path / "mmlu", n_train=20, n_test=6, subjects=["modular_arithmetic", "comparison", "parity"])
     build_tokenizer(data).save_pretrained(tmp_path / "tok")
@@ -467,7 +467,7 @@ def test_cli_plans_tp_cp_and_sp_meshes(capsys):
     from nemo_moe_export.cli import main
     from nemo_moe_export.config import ModelConfig
     from nemo_moe_export.errors import InputError
-    from nemo_moe_export.recipe.checks import check_parallel
+    from nemo_moe_export.job.checks import check_parallel
 
     base = ["plan", "--model-preset", "deepseek_v3_tiny", "--world", "16", "--strategy", "ep", "--ep", "2", "--tp", "2",
             "--cp", "2", "--pp", "2", "--json", "--per-rank"]

@@ -167,7 +167,7 @@ def _prepare_assets(root: Path) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
+    from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
     from nemo_moe_export.tiny_models import tiny_model
 
     data = write_synthetic_mmlu(root / "data" / "mmlu", n_train=8, n_dev=5, n_test=3)
@@ -306,7 +306,7 @@ def _split_own_flags(args: list[str], own: dict[str, bool]) -> tuple[list[str], 
 
 @pytest.mark.parametrize("command", PACKAGE_COMMANDS, ids=[f"README.md:{c.line}" for c in PACKAGE_COMMANDS])
 def test_bash_command_flags_exist_and_overrides_compose(command, cli_help, tmp_path, monkeypatch):
-    from nemo_moe_export.recipe.compose import load_config, split_recipe_args
+    from nemo_moe_export.job.compose import load_config, split_recipe_args
 
     args = _package_args(command.argv)
     sub = args[0] if args and args[0] in cli_help else None
@@ -341,7 +341,7 @@ def test_other_bash_commands_name_what_exists(command):
 
 
 def test_yaml_recipes_compose(tmp_path, monkeypatch):
-    from nemo_moe_export.recipe.compose import load_config
+    from nemo_moe_export.job.compose import load_config
 
     root = _scratch_with_yaml_files(tmp_path)
     recipes = [p for p in root.rglob("*.yaml") if "base" in (yaml.safe_load(p.read_text()).get("defaults") or [])]
@@ -403,9 +403,9 @@ def test_inline_spans_name_config_keys_attributes_and_paths_that_exist():
 def test_the_span_check_catches_stale_names():
     assert inline_span_problems("set `export.overwrit=replace` or `mmlu.batch_size=16`") == [
         "export.overwrit is neither a config key nor a nemo_moe_export attribute"]
-    assert inline_span_problems("see `integrations.nemo.MoEExportCallbak(hooks)` and `recipe/hooks.py`") == [
+    assert inline_span_problems("see `integrations.nemo.MoEExportCallbak(hooks)` and `job/hooks.py`") == [
         "integrations.nemo.MoEExportCallbak is neither a config key nor a nemo_moe_export attribute",
-        "path recipe/hooks.py does not exist"]
+        "path job/hooks.py does not exist"]
 
 
 # --- the public API the README teaches ------------------------------------------------------------

@@ -11,10 +11,10 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from safetensors.torch import load_file
 
-from nemo_moe_export.recipe.compose import load_config
+from nemo_moe_export.job.compose import load_config
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.recipe.checks import check_stages
-from nemo_moe_export.recipe.stages import check_recipe
+from nemo_moe_export.job.checks import check_stages
+from nemo_moe_export.job.stages import check_recipe
 
 QUICK = ["trainer.max_steps=20", "trainer.progress=false", "mmlu.every_n_steps=10", "data.n_test=12",
          "data.n_train=60"]
@@ -80,7 +80,7 @@ def test_stage_order_and_inputs(stages, pattern):
 def test_every_stage_option_is_checked_before_any_work(override, pattern, tmp_path):
     """run_recipe builds every stage's options first: a bad value is refused before the process
     group, the model or the first training step, and nothing is written."""
-    from nemo_moe_export.recipe.stages import run_recipe
+    from nemo_moe_export.job.stages import run_recipe
 
     run_dir = tmp_path / "run"
     with pytest.raises(InputError, match=pattern):
@@ -91,8 +91,8 @@ def test_every_stage_option_is_checked_before_any_work(override, pattern, tmp_pa
 def test_an_existing_export_target_is_refused_before_training(tmp_path):
     """Re-running a recipe into the same run_dir fails in a second, naming the way out, instead of
     after training (export.overwrite defaults to error); with replace it is accepted up front."""
-    from nemo_moe_export.recipe.checks import check_export_target, export_target
-    from nemo_moe_export.recipe.stages import run_recipe
+    from nemo_moe_export.job.checks import check_export_target, export_target
+    from nemo_moe_export.job.stages import run_recipe
 
     run_dir = tmp_path / "run"
     (run_dir / "hf").mkdir(parents=True)

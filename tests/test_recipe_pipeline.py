@@ -12,8 +12,8 @@ import pytest
 from safetensors.torch import load_file
 
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.recipe.checks import check_config
-from nemo_moe_export.recipe.compose import load_config
+from nemo_moe_export.job.checks import check_config
+from nemo_moe_export.job.compose import load_config
 from test_recipe import run_cli
 
 QUICK = ["trainer.max_steps=12", "trainer.progress=false", "mmlu.progress=false", "mmlu.every_n_steps=6",

@@ -16,7 +16,7 @@ PACKAGE = Path(nemo_moe_export.__file__).parent
 OPTIONAL = ("megatron.core", "megatron.bridge", "nemo.", "nemo_run", "nemo_automodel", "tqdm", "matplotlib",
             "pyarrow", "importlib.util")
 # Modules that import inside a function on purpose, for a reason their docstring gives.
-LOCAL_BY_DESIGN = {"nemo_moe_export.recipe.reload"}  # HF_HUB_OFFLINE is set before transformers loads
+LOCAL_BY_DESIGN = {"nemo_moe_export.job.reload"}  # HF_HUB_OFFLINE is set before transformers loads
 
 
 def _modules() -> dict[str, ast.Module]:

@@ -66,7 +66,7 @@ def _sharded(family: str, dims: tuple[str, str], seed: int = 0):
     """The test model on a (2, 2) mesh: TP over the second dim when it is "tp", FSDP2 over "dp"."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
+    from nemo_moe_export.job.tensor_parallel import parallelize_tp_fsdp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
     return parallelize_tp_fsdp(build_model(family, seed), mesh), mesh
@@ -261,7 +261,7 @@ def test_plan_reads_the_config_and_adds_mla_attention():
     DeepSeek-V3's MLA projections, per-head norms as Replicate over TP; routed experts untouched."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-    from nemo_moe_export.recipe.tensor_parallel import tp_plan
+    from nemo_moe_export.job.tensor_parallel import tp_plan
 
     kinds = {ColwiseParallel: "col", RowwiseParallel: "row", SequenceParallel: "heads"}
     deepseek = {k: kinds[type(v)] for k, v in tp_plan(build_model("deepseek_v3")).items()}
@@ -277,7 +277,7 @@ def test_plan_reads_the_config_and_adds_mla_attention():
 
 def test_tp_size_that_splits_heads_unevenly_is_refused():
     from nemo_moe_export.errors import InputError
-    from nemo_moe_export.recipe.tensor_parallel import parallelize_tp
+    from nemo_moe_export.job.tensor_parallel import parallelize_tp
 
     class ThreeWay:  # stands in for a 3-rank mesh: parallelize_tp reads its size before any collective
         def size(self):

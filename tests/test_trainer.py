@@ -16,8 +16,8 @@ STRATEGIES = ("fsdp", "hsdp", "ep", "ep_fsdp")
 
 def _train_worker(rank, world, root):
     from nemo_moe_export.config import ModelConfig, ParallelConfig, TrainerConfig
-    from nemo_moe_export.recipe.data import build_tokenizer
-    from nemo_moe_export.recipe.trainer import build_model, shard_model, train
+    from nemo_moe_export.job.data import build_tokenizer
+    from nemo_moe_export.job.trainer import build_model, shard_model, train
 
     tokenizer = build_tokenizer(root)
     losses = {}
@@ -32,7 +32,7 @@ def _train_worker(rank, world, root):
 
 
 def test_every_strategy_follows_the_same_loss_curve(tmp_path):
-    from nemo_moe_export.recipe.data import write_synthetic_mmlu
+    from nemo_moe_export.job.data import write_synthetic_mmlu
 
     root = str(write_synthetic_mmlu(tmp_path, n_train=40, n_test=4))
     per_rank = spawn(_train_worker, 4, root, timeout_s=300)

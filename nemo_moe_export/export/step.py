@@ -219,7 +219,7 @@ def export_hf_checkpoint(
             _prepare(steps, job)
             _write_headers(steps, job)
             stats = _write(steps, job)
-            _verify(steps, job)
+            _verify_from_bytes(steps, job)
             _publish(steps, job)
         except BaseException as exc:
             if job.on_rank0 or _rank0_lost(exc):  # rank 0 cleans up; if it died, its survivors do
@@ -546,7 +546,7 @@ def _write(steps: _Steps, job: _Job) -> WriteStats:
     return stats
 
 
-def _verify(steps: _Steps, job: _Job) -> None:
+def _verify_from_bytes(steps: _Steps, job: _Job) -> None:
     """Step 5: rank 0 checks the checkpoint from its bytes, then makes the directory durable."""
     with steps.step("verify"):
         if job.on_rank0:

@@ -12,7 +12,7 @@ Locally it runs the recipe main job through ``run.Script`` with a torchrun ``Loc
 On a cluster, swap the executor for a ``run.SlurmExecutor`` (see :func:`slurm_executor`). The config
 is composed and validated here first (Hydra's own errors), so a typo fails before anything is queued.
 ``--config-dir DIR`` and ``NEMO_MOE_EXPORT_CONFIG_PATH`` add config folders as for the main job
-(``recipe/compose.py``); on a cluster they must be paths the nodes can read.
+(``job/compose.py``); on a cluster they must be paths the nodes can read.
 Needs ``pip install nemo-run``.
 """
 
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from nemo_moe_export.integrations._install_hint import missing
-from nemo_moe_export.recipe.compose import CONFIG_PATH_ENV, load_config, split_recipe_args, user_config_dirs
-from nemo_moe_export.recipe.stages import check_recipe
+from nemo_moe_export.job.compose import CONFIG_PATH_ENV, load_config, split_recipe_args, user_config_dirs
+from nemo_moe_export.job.stages import check_recipe
 
 __all__ = ["OVERRIDES_ENV", "launch_main", "local_executor", "recipe_task", "slurm_executor"]
 

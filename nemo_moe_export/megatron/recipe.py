@@ -1,7 +1,7 @@
 """The recipe's megatron-core model: ``parallel_state`` from the ``parallel`` group, a tiny
 ``GPTModel`` from the ``model`` group (``backend: megatron_core``), wrapped for the hooks.
 
-``recipe/trainer.py`` calls :func:`build_recipe_model` in place of building and sharding a
+``job/trainer.py`` calls :func:`build_recipe_model` in place of building and sharding a
 transformers model: megatron-core shards while it builds (each EP rank creates only its experts,
 each pipeline rank only its stage), so ``parallel_state`` comes first. On CPU ranks the stand-ins
 of ``cpu_patches`` are applied here, the one product path that does, and on GPU ranks without
@@ -132,5 +132,5 @@ def pipeline_split(num_layers: int, pp_size: int, layers_per_stage: Any = None) 
 
 def recipe_microbatches(parallel_cfg: Any) -> int:
     """The schedule's microbatch count: ``parallel.microbatches``, 0 meaning twice the stages (the
-    count ``recipe/checks.py`` requires ``trainer.batch_size`` to divide)."""
+    count ``job/checks.py`` requires ``trainer.batch_size`` to divide)."""
     return parallel_cfg.microbatches or 2 * parallel_cfg.pp_size * parallel_cfg.stages_per_rank

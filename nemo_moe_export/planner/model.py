@@ -35,7 +35,7 @@ from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.expert_parallel import experts_modules
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.options import parse_dtype
-from nemo_moe_export.recipe.compose import load_config, packaged_dir
+from nemo_moe_export.job.compose import load_config, packaged_dir
 from nemo_moe_export.tiny_models import tiny_config
 
 __all__ = ["MetaModel", "PlanTarget", "build_meta_model", "from_config_file", "from_preset", "from_recipe",
@@ -109,7 +109,7 @@ def from_preset(name: str, parallel: Any, export: Any) -> PlanTarget:
 
 
 def _preset_config(cfg: Any, vocab_size: int = 256) -> Any:
-    """The HF config ``recipe/trainer.build_model`` builds for a model preset (vocab: the recipe's
+    """The HF config ``tiny_models.build_model`` builds for a model preset (vocab: the recipe's
     tokenizer's size is only known at run time; 256 stands in)."""
     if cfg.backend != "transformers":
         raise InputError("the planner builds transformers models only", key="model.backend",

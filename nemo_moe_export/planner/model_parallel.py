@@ -7,7 +7,7 @@ laid out the way the job lays it out:
 
 * the stage's root mesh is ``("dp", "cp", "tp")`` (``"cp"`` / ``"tp"`` left out at size 1), TP
   innermost, as torchtitan and megatron-core order their ranks;
-* ``recipe.tensor_parallel.parallelize_tp(model, root["tp"])`` applies the TP plan (column-parallel
+* ``job.tensor_parallel.parallelize_tp(model, root["tp"])`` applies the TP plan (column-parallel
   ``Shard(0)``, row-parallel ``Shard(1)``, embeddings by vocabulary rows, routed experts whole);
 * ``fsdp``: ``fully_shard`` of each decoder layer and of the model over ``root["dp"]``, as
   ``tests/test_tensor_parallel.py`` and torchtitan do. Every parameter then says its mesh dim names
@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import AutoModelForCausalLM
 
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.recipe.tensor_parallel import parallelize_tp_fsdp
+from nemo_moe_export.job.tensor_parallel import parallelize_tp_fsdp
 
 __all__ = ["MODEL_PARALLEL_STRATEGIES", "ModelParallel", "check_model_parallel", "model_parallel_of",
            "recorded_placements"]

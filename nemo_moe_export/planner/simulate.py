@@ -5,7 +5,7 @@ For each simulated rank ``r`` of ``W`` (docs/design.md#planner):
 1. the default process group is re-initialised as rank ``r`` of the ``fake`` backend
    (``FakeStore``: no peer, no traffic), and the layout's DeviceMeshes are built on it with
    ``init_device_mesh``, so every mesh coordinate, group and replica number is torch's own;
-2. the rank's state dict is the meta model's tensors laid out as ``recipe/trainer.shard_model``
+2. the rank's state dict is the meta model's tensors laid out as ``job/trainer.shard_model``
    lays them out: FSDP2 ``Shard(0)`` of every parameter over ``dp_shard`` (HSDP: ``(Replicate,
    Shard(0))`` on ``(dp_replicate, dp_shard)``), expert parallelism's ``Shard(0)`` of the fused
    expert tensors on ``ep`` (``(Replicate, Shard(0))`` on ``(edp, ep)`` with expert-DP replicas),
@@ -63,7 +63,7 @@ from nemo_moe_export.planner.model import MetaModel
 from nemo_moe_export.planner.model_parallel import (ModelParallel, check_model_parallel, model_parallel_of,
                                                     recorded_placements)
 from nemo_moe_export.planner.pipeline import Pipeline, pipeline_of
-from nemo_moe_export.recipe.checks import check_strategy
+from nemo_moe_export.job.checks import check_strategy
 
 __all__ = ["RankPlan", "Simulation", "StageWork", "fake_world", "simulate"]
 
@@ -295,7 +295,7 @@ def _rank_state_dict(tensors: Mapping[str, torch.Tensor], meta: MetaModel, layou
 
 
 def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
-    """The layout fits the world and the model, as ``recipe/checks.py`` and ``shard_model`` require
+    """The layout fits the world and the model, as ``job/checks.py`` and ``shard_model`` require
     (under pipeline stages, the strategy's sizes divide the ranks of a stage)."""
     if not isinstance(world, int) or world < 1:
         raise InputError("the world size must be a positive integer", key="--world", expected=">= 1",

@@ -13,7 +13,7 @@ whatever it can know is wrong from the config, the world size and the filesystem
   ``export.from_checkpoint`` (a training checkpoint whose tensors fit the configured model) and the
   export target's parent.
 
-``recipe/stages.py`` runs these, and then builds every stage's options, on every rank before
+``job/stages.py`` runs these, and then builds every stage's options, on every rank before
 ``init_distributed``; the ``--nproc`` launcher runs the same checks once before it starts torchrun.
 """
 
@@ -30,7 +30,7 @@ from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
 from nemo_moe_export.evaluate.task import load_questions, load_task
 from nemo_moe_export.megatron.recipe import check_megatron_pipeline
 from nemo_moe_export.parallel import DEVICES
-from nemo_moe_export.recipe.data import SUBJECTS
+from nemo_moe_export.job.data import SUBJECTS
 from nemo_moe_export.tiny_models import FAMILIES, build_model
 
 __all__ = ["STRATEGIES", "check_config", "check_export_target", "check_stages", "check_strategy", "export_target"]
@@ -159,7 +159,7 @@ def _check_model_parallel(parallel: Any) -> None:
             raise InputError("the recipe does not run this kind of parallelism", key=f"parallel.{name}",
                                    expected=1, actual=getattr(parallel, name),
                                    hint="plan such a job with `nemo-moe-export plan --tp/--cp/--etp`; torch TP "
-                                        "models export through nemo_moe_export.recipe.tensor_parallel")
+                                        "models export through nemo_moe_export.job.tensor_parallel")
     if parallel.sequence_parallel:
         raise InputError("the recipe does not run sequence parallelism", key="parallel.sequence_parallel",
                                expected=False, actual=True, hint="plan such a job with `nemo-moe-export plan --sp`")

@@ -4,7 +4,7 @@ It exists so the plugin's hooks run inside a genuine distributed training loop o
 ``fully_shard`` (FSDP / HSDP), real expert parallelism (all-to-all routing), or both; with
 ``model.backend: megatron_core`` the same loop trains a megatron-core ``GPTModel`` under
 ``parallel_state`` (docs/design.md#megatron-core-models). It trains on
-the synthetic multiple-choice corpus (``recipe/data.py``) formatted exactly as the MMLU evaluation
+the synthetic multiple-choice corpus (``job/data.py``) formatted exactly as the MMLU evaluation
 will see it, with the loss on the answer letter only.
 
 Gradient averaging: FSDP2 averages the gradients of the parameters it shards over its mesh. What
@@ -39,8 +39,8 @@ from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.megatron.recipe import build_recipe_model
 from nemo_moe_export.parallel import ParallelLayout, discover_layout, dist_info, init_expert_parallel
 from nemo_moe_export.progress import Progress
-from nemo_moe_export.recipe.checks import check_strategy
-from nemo_moe_export.recipe.pipelined import shard_pipelined
+from nemo_moe_export.job.checks import check_strategy
+from nemo_moe_export.job.pipelined import shard_pipelined
 from nemo_moe_export.tiny_models import build_model
 
 __all__ = ["TrainState", "build_model", "build_sharded_model", "shard_model", "train"]

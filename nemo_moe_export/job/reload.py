@@ -1,11 +1,11 @@
 """Reload an exported checkpoint in a fresh single process and re-evaluate MMLU on it.
 
-    python -m nemo_moe_export.recipe.reload HF_DIR DATA_DIR OUT.json --options OPTIONS.json
+    python -m nemo_moe_export.job.reload HF_DIR DATA_DIR OUT.json --options OPTIONS.json
 
 This is the recipe's end-to-end proof that the export is the trained model: ``transformers``
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` read the directory
 with no plugin code involved in loading, and the same evaluation must give the same answers.
-``OPTIONS.json`` holds the training run's ``MMLUOptions`` whole (``recipe/stages.py`` writes it), and
+``OPTIONS.json`` holds the training run's ``MMLUOptions`` whole (``job/stages.py`` writes it), and
 the evaluation goes through the same :class:`~nemo_moe_export.evaluate.callback.MMLUCallback`, so
 the questions, the few-shot examples and every other option are the trained run's by construction.
 """

@@ -3,7 +3,7 @@
 Data flow, from a recipe YAML to the bytes on disk:
 
 0. ``checks`` : before any process group or model exists (``check_recipe``): the whole config
-               (``recipe/checks.py``: stages, parallel layout against the world size and the
+               (``job/checks.py``: stages, parallel layout against the world size and the
                expert count, paths that must exist), every stage's options (``MMLUOptions`` /
                ``ExportOptions`` built from the ``mmlu`` / ``export`` groups, so a bad value is
                refused here) and the export target (an existing one is refused with
@@ -13,7 +13,7 @@ Data flow, from a recipe YAML to the bytes on disk:
                from ``model`` and sharded as ``parallel`` says (or restored from
                ``export.from_checkpoint``), and the hooks' ``on_setup``: the adapter hook builds
                the state-dict adapter into the context, where the export finds it.
-2. ``train``  : ``recipe/trainer.py`` calls ``hooks.on_step_end(ctx, step)``: the MMLU callback
+2. ``train``  : ``job/trainer.py`` calls ``hooks.on_step_end(ctx, step)``: the MMLU callback
                evaluates every ``mmlu.every_n_steps``; a sharded torch DCP training checkpoint is
                saved to ``{run_dir}/checkpoint``.
 3. ``mmlu``   : the MMLU callback's ``on_train_end(ctx)`` (``evaluate/``; skipped with
@@ -56,9 +56,9 @@ from nemo_moe_export.megatron import MegatronCausalLM
 from nemo_moe_export.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
 from nemo_moe_export.parallel import dist_info, init_distributed, resolve_device
 from nemo_moe_export.plugin import AdapterHook
-from nemo_moe_export.recipe.checks import check_config, check_export_target, export_target
-from nemo_moe_export.recipe.data import build_tokenizer, write_synthetic_mmlu
-from nemo_moe_export.recipe.trainer import build_sharded_model, train
+from nemo_moe_export.job.checks import check_config, check_export_target, export_target
+from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
+from nemo_moe_export.job.trainer import build_sharded_model, train
 
 __all__ = ["CheckedRecipe", "check_recipe", "run_recipe"]
 
@@ -79,7 +79,7 @@ class CheckedRecipe:
 
 def check_recipe(cfg: Any, world_size: int | None = None) -> CheckedRecipe:
     """Every check a config can fail before any work, on ``world_size`` ranks (None: one process):
-    the config itself (``recipe/checks.py``), then every stage's options and the export target, by
+    the config itself (``job/checks.py``), then every stage's options and the export target, by
     building the stages' hooks."""
     stages = check_config(cfg, world_size)
     run_dir = os.path.abspath(cfg.run_dir)
@@ -135,7 +135,7 @@ def _task_words(task: Task, root: str, split: str) -> str:
 
 def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
-    logger = logging.getLogger(f"nemo_moe_export.recipe.rank{rank}")
+    logger = logging.getLogger(f"nemo_moe_export.job.rank{rank}")
     logger.setLevel(logging.INFO)
     logger.handlers.clear()
     fh = logging.FileHandler(os.path.join(run_dir, "logs", f"rank{rank}.log"))
@@ -189,7 +189,7 @@ def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | No
     if export_step is not None:
         _export_stage(ctx, export_step, log)
     if "verify" in stages:
-        results["verify"] = _verify(checked, ctx, results, info, log)
+        results["verify"] = _verify_stage(checked, ctx, results, info, log)
     if after is not None:
         after(ctx)
     if info.rank == 0:
@@ -273,9 +273,9 @@ def _save_checkpoint(ctx: Any, path: str) -> None:
         dist.barrier()
 
 
-def _verify(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
+def _verify_stage(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
     """Bytes-level verify, then a fresh single process reloads with transformers and re-evaluates
-    with the same MMLU options, handed over whole (``recipe/reload.py``)."""
+    with the same MMLU options, handed over whole (``job/reload.py``)."""
     path = export_target(checked.cfg, checked.run_dir)
     outcome: dict[str, Any] = {"path": path}
     if info.rank == 0:
@@ -287,7 +287,7 @@ def _verify(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], info: Any
             options = os.path.join(checked.run_dir, "reload_mmlu_options.json")
             with open(options, "w") as f:
                 json.dump(asdict(checked.mmlu_options), f, indent=1)
-            cmd = [sys.executable, "-m", "nemo_moe_export.recipe.reload", path, str(checked.mmlu.data_path), out,
+            cmd = [sys.executable, "-m", "nemo_moe_export.job.reload", path, str(checked.mmlu.data_path), out,
                    "--options", options]
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -1,0 +1,1 @@
+"""The recipe job: its config composed and checked, its stages run, the reference trainer, the synthetic corpus."""

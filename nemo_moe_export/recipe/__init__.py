@@ -1,1 +1,0 @@
-"""Recipe glue: stages, hooks, the reference trainer and the synthetic corpus."""
