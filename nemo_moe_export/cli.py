@@ -51,15 +51,15 @@ from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import ExportOptions, parse_size
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.integrations.nemo_run import launch_main
-from nemo_moe_export.planner import TimeModel, format_table, plan_job
-from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
 from nemo_moe_export.job.checks import STRATEGIES
 # Config composition lives a layer down (job/compose.py), shared with the NeMo-Run launcher
 # (integrations/nemo_run.py).
 from nemo_moe_export.job.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
-                                            split_recipe_args, user_config_dirs)
+                                         split_recipe_args, user_config_dirs)
 from nemo_moe_export.job.stages import check_recipe, run_recipe
 from nemo_moe_export.job.torchrun import check_local_resources, run_torchrun, stop_on_signals, stopped_by
+from nemo_moe_export.planner import TimeModel, format_table, plan_job
+from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
 
 __all__ = ["DEBUG_ENV", "main"]
 
@@ -93,7 +93,8 @@ def _usage_errors() -> tuple[type[BaseException], ...]:
 
 def _run_checked(checked: Any) -> int:
     """Run a recipe this rank composed and checked once (no second composition by ``hydra.main``:
-    the recipe keeps its config, logs and results in ``run_dir``, Hydra writes nothing of its own)."""
+    the recipe keeps its config, logs and results in ``run_dir``, Hydra writes nothing of its own),
+    or a config ``hydra.main`` composed; the exit status."""
     try:
         with stop_on_signals():
             run_recipe(checked)
@@ -108,7 +109,9 @@ def _hydra_main(recipe_file: Path, overrides: list[str], user_dirs: list[Path]) 
 
     @hydra.main(version_base="1.3", config_path=str(recipe_file.parent), config_name=recipe_file.stem)
     def _main(cfg: Any) -> None:
-        run_recipe(cfg)
+        status = _run_checked(cfg)  # a multirun job stops on signals and reports errors as a plain run does
+        if status:
+            raise SystemExit(status)
 
     sys.argv = [sys.argv[0], *hydra_overrides(hydra_search_path(recipe_file, user_dirs), overrides)]
     _main()

@@ -169,7 +169,7 @@ def validate_config(cfg: Any, schema: type = None, prefix: str = "") -> None:
         name = f"{prefix}{key}"
         if key not in declared:
             raise InputError("unknown config key", key=name, expected=f"one of {sorted(declared)}",
-                                   actual=repr(key), hint="check the spelling; the schemas are in nemo_moe_export/config.py")
+                             actual=repr(key), hint="check the spelling; the schemas are in nemo_moe_export/config.py")
         node = cfg.get(key)
         nested = _dataclass_type(declared[key].type)
         if nested is not None and isinstance(node, DictConfig):

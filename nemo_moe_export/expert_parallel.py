@@ -35,8 +35,8 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearExper
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.placement import get_ep_expert_range
 from nemo_moe_export.parallel import ParallelLayout
+from nemo_moe_export.placement import get_ep_expert_range
 
 __all__ = ["ExpertParallelExperts", "apply_expert_parallel", "experts_modules", "expert_mesh"]
 
@@ -64,7 +64,7 @@ def expert_mesh(layout: ParallelLayout, device_type: str) -> DeviceMesh:
     """
     if layout.ep.group is None:
         raise InputError("expert parallelism needs an EP process group",
-                               expected="layout.ep.group", actual=None)
+                         expected="layout.ep.group", actual=None)
     if layout.edp.size == 1:
         return DeviceMesh.from_group(layout.ep.group, device_type, mesh_dim_names=("ep",))
     replicas: list[Any] = [None] * layout.edp.size
@@ -171,7 +171,7 @@ def _check_experts_math(module: nn.Module) -> None:
                 "has_post_expert_norm": False}
     if variant != expected:
         raise InputError("unsupported experts variant for expert parallelism",
-                               key=type(module).__name__, expected=expected, actual=variant)
+                         key=type(module).__name__, expected=expected, actual=variant)
 
 
 def apply_expert_parallel(model: nn.Module, layout: ParallelLayout) -> nn.Module:

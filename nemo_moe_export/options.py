@@ -32,7 +32,7 @@ class Options:
         unknown = sorted(set(overrides) - names)
         if unknown:
             raise InputError(f"unknown {cls.what}", key=unknown[0], expected=f"one of {sorted(names)}",
-                                   actual=repr(unknown[0]))
+                             actual=repr(unknown[0]))
         source: Any = options if isinstance(options, dict) else {
             n: getattr(options, n) for n in names if options is not None and hasattr(options, n)}
         base = {k: v for k, v in source.items() if k in names}

@@ -101,8 +101,8 @@ def resolve_device(requested: str = "auto") -> str:
         return "cpu"
     if gpus < local_ranks:
         raise InputError("not enough GPUs for one per local rank", key="parallel.device",
-                               expected=f"{local_ranks} visible GPUs", actual=gpus,
-                               hint="run fewer ranks per node, or parallel.device=cpu")
+                         expected=f"{local_ranks} visible GPUs", actual=gpus,
+                         hint="run fewer ranks per node, or parallel.device=cpu")
     return "cuda"
 
 

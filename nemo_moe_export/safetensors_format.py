@@ -122,7 +122,7 @@ def dtype_name(dtype: torch.dtype, *, key: str | None = None) -> str:
     """The header name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``); refuses one the format lacks."""
     if dtype not in _NAME_OF:
         raise InputError("dtype has no safetensors encoding", key=key,
-                               expected=sorted(map(str, _NAME_OF)), actual=dtype)
+                         expected=sorted(map(str, _NAME_OF)), actual=dtype)
     return _NAME_OF[dtype]
 
 
@@ -131,7 +131,7 @@ def torch_dtype(name: str, *, key: str | None = None) -> torch.dtype:
     info = _BY_NAME.get(name)
     if info is None or info.torch is None:
         raise InputError("unsupported safetensors dtype", key=key, expected=sorted(_NAME_OF.values()),
-                               actual=name, hint="torch has no dtype for it" if info is not None else None)
+                         actual=name, hint="torch has no dtype for it" if info is not None else None)
     return info.torch
 
 
@@ -177,9 +177,9 @@ class TensorEntry:
         ok = ok and isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int and o >= 0 for o in offsets)
         if not ok:
             raise InputError("malformed safetensors header entry", key=key,
-                                   expected="dtype (a format dtype name), shape [int >= 0, ...], "
-                                            "data_offsets [start, end] (ints >= 0)",
-                                   actual=info)
+                             expected="dtype (a format dtype name), shape [int >= 0, ...], "
+                                      "data_offsets [start, end] (ints >= 0)",
+                             actual=info)
         return TensorEntry(info["dtype"], tuple(shape), offsets[0], offsets[1])
 
 
@@ -241,27 +241,27 @@ def decode_header(f: BinaryIO, file_size: int, *, name: str) -> SafetensorsHeade
     prefix = f.read(LENGTH_PREFIX_BYTES)
     if len(prefix) < LENGTH_PREFIX_BYTES:
         raise InputError("file is too short for a safetensors header", key=name,
-                               expected=f">= {LENGTH_PREFIX_BYTES} bytes", actual=f"{file_size} bytes")
+                         expected=f">= {LENGTH_PREFIX_BYTES} bytes", actual=f"{file_size} bytes")
     n = int.from_bytes(prefix, "little")
     if n > MAX_HEADER_BYTES:  # checked before reading: a corrupt length must not allocate gigabytes
         raise InputError("header is larger than safetensors allows", key=name,
-                               expected=f"<= {MAX_HEADER_BYTES} bytes", actual=f"{n} bytes")
+                         expected=f"<= {MAX_HEADER_BYTES} bytes", actual=f"{n} bytes")
     if n > file_size - LENGTH_PREFIX_BYTES:
         raise InputError("header length exceeds the file: truncated?", key=name,
-                               expected=f"<= {file_size - LENGTH_PREFIX_BYTES} bytes", actual=f"{n} bytes")
+                         expected=f"<= {file_size - LENGTH_PREFIX_BYTES} bytes", actual=f"{n} bytes")
     try:
         # Strict UTF-8 first: json.loads(bytes) would also accept UTF-16 or a BOM, the library does not.
         header = json.loads(f.read(n).decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError
         raise InputError("header is not valid JSON", key=name, expected="a UTF-8 JSON object",
-                               actual=str(exc)) from exc
+                         actual=str(exc)) from exc
     if not isinstance(header, dict):
         raise InputError("header is not a JSON object", key=name, expected="a JSON object",
-                               actual=type(header).__name__)
+                         actual=type(header).__name__)
     metadata = header.pop(METADATA_KEY, None)
     if metadata is not None and not (isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values())):
         raise InputError(f"{METADATA_KEY} is not an object of strings", key=name,
-                               expected='e.g. {"format": "pt"}', actual=metadata)
+                         expected='e.g. {"format": "pt"}', actual=metadata)
     return SafetensorsHeader(header, metadata, n)
 
 
@@ -362,14 +362,14 @@ def read_weight_map(directory: str | os.PathLike[str]) -> dict[str, str]:
             weight_map = json.load(f)["weight_map"]
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise InputError("unreadable checkpoint index", key=path,
-                               expected='JSON with a "weight_map" object', actual=f"{type(exc).__name__}: {exc}",
-                               ) from exc
+                         expected='JSON with a "weight_map" object', actual=f"{type(exc).__name__}: {exc}",
+                         ) from exc
     if not isinstance(weight_map, dict):
         raise InputError("unreadable checkpoint index", key=path, expected='a "weight_map" object',
-                               actual=type(weight_map).__name__)
+                         actual=type(weight_map).__name__)
     bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
     if bad is not None:
         raise InputError("unreadable checkpoint index", key=path,
-                               expected=f'"weight_map" values that are file names (key {bad!r})',
-                               actual=repr(weight_map[bad]))
+                         expected=f'"weight_map" values that are file names (key {bad!r})',
+                         actual=repr(weight_map[bad]))
     return weight_map

@@ -11,9 +11,9 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from safetensors.torch import load_file
 
-from nemo_moe_export.job.compose import load_config
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.job.checks import check_stages
+from nemo_moe_export.job.compose import load_config
 from nemo_moe_export.job.stages import check_recipe
 
 QUICK = ["trainer.max_steps=20", "trainer.progress=false", "mmlu.every_n_steps=10", "data.n_test=12",

@@ -347,23 +347,23 @@ class StateDictAdapter(BaseStateDictAdapter):
                 )
         elif local is not None and int(m.group("local")) >= len(local.mine):
             raise InputError("local expert index beyond the experts this rank holds", key=key,
-                                   expected=f"< {len(local.mine)} (local_expert_indices {list(local.mine)})",
-                                   actual=m.group("local"))
+                             expected=f"< {len(local.mine)} (local_expert_indices {list(local.mine)})",
+                             actual=m.group("local"))
         inner = shape[1:] if rule.per_expert else shape
         if len(rule.targets) > 1 and len(inner) <= rule.split_dim:
             raise InputError(f"cannot split along dim {rule.split_dim}", key=key,
-                                   expected=f"more than {rule.split_dim} dims", actual=f"shape {shape}")
+                             expected=f"more than {rule.split_dim} dims", actual=f"shape {shape}")
         self._split_sizes(key, rule, inner)
         if (rule.split_groups or rule.split_units) and (rule.per_expert or rule.transpose):
             raise InputError("an interleaved split applies to plain, untransposed tensors", key=key,
-                                   expected="per_expert=False, transpose=False", actual=rule)
+                             expected="per_expert=False, transpose=False", actual=rule)
         if rule.transpose and len(inner) != 2:
             raise InputError("transposed tensor must be 2-D per part", key=key,
-                                   expected="2 dims", actual=f"shape {inner}")
+                             expected="2 dims", actual=f"shape {inner}")
         if rule.rows_field is not None and not 0 < self._config_int(rule.rows_field) <= shape[0]:
             raise InputError(f"the config's {rule.rows_field} does not fit the tensor's rows", key=key,
-                                   expected=f"1..{shape[0]} (the rows, padding included)",
-                                   actual=self._config_int(rule.rows_field))
+                             expected=f"1..{shape[0]} (the rows, padding included)",
+                             actual=self._config_int(rule.rows_field))
 
     def _check_layer_complete(self, group: str, prefix: str, found: dict[str, Any]) -> None:
         """An MoE layer has every tensor of its layout (both gate/up and down)."""
@@ -391,7 +391,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         dtypes = {d for _, _, d in metas}
         if len(dtypes) > 1:
             raise InputError("expert tensors of one layer differ in dtype", key=prefix,
-                                   expected="one dtype", actual=sorted(map(str, dtypes)))
+                             expected="one dtype", actual=sorted(map(str, dtypes)))
 
     # ---- rule geometry: local experts, expert views, interleaved splits (megatron-core) ------------
 
@@ -401,7 +401,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         value = _cfg_get(self.text_config, name, None)
         if not isinstance(value, int):
             raise InputError("the table needs a config field the config does not set", key=name,
-                                   expected="an integer", actual=repr(value))
+                             expected="an integer", actual=repr(value))
         return value
 
     def _local_experts_of(self, key: str, rule: KeyRule, m: re.Match[str]) -> LocalExperts | None:
@@ -435,8 +435,8 @@ class StateDictAdapter(BaseStateDictAdapter):
         known = n * math.prod(v for v in view if v != -1)
         if len(shape) != 2 or math.prod(shape) % known or view.count(-1) > 1:
             raise InputError(f"cannot view the tensor as {n} experts of {tuple(view)}", key=key,
-                                   expected=f"a 2-D tensor of a multiple of {known} elements",
-                                   actual=f"shape {shape}")
+                             expected=f"a 2-D tensor of a multiple of {known} elements",
+                             actual=f"shape {shape}")
         return (n, *(math.prod(shape) // known if v == -1 else v for v in view))
 
     def _split_sizes(self, key: str, rule: KeyRule, inner: list[int] | tuple[int, ...]) -> tuple[int, list[int]]:
@@ -522,7 +522,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         for piece in self._pieces(state_dict, plain_replica, merge=True):
             if piece.key in out:
                 raise InputError("two in-memory tensors map to the same HF key", key=piece.key,
-                                       expected=out[piece.key].source_key, actual=piece.source_key)
+                                 expected=out[piece.key].source_key, actual=piece.source_key)
             out[piece.key] = piece
         return out
 
@@ -615,11 +615,11 @@ def _check_stored_tensor(key: str, meta: TensorMeta, src: Any, *, allow_dtype_ca
     got = src.meta(key)
     if got.shape != meta.shape:
         raise InputError("checkpoint tensor has the wrong shape", key=key,
-                               expected=meta.shape, actual=got.shape)
+                         expected=meta.shape, actual=got.shape)
     dequantized = getattr(src, "dequantizes", lambda _: False)(key)
     if dequantized and not meta.dtype.is_floating_point:
         raise InputError("an FP8 weight can only fill a floating-point tensor", key=key,
-                               expected="a floating-point model tensor", actual=meta.dtype)
+                         expected="a floating-point model tensor", actual=meta.dtype)
     if got.dtype != meta.dtype and not dequantized and not (
         allow_dtype_cast and got.dtype.is_floating_point and meta.dtype.is_floating_point
     ):
@@ -686,8 +686,8 @@ def _viewed(key: str, box: LocalBox, shape: tuple[int, ...]) -> LocalBox:
     """``box`` with its (whole) tensor viewed as ``shape``: a view, so loads write through."""
     if any(box.offsets) or tuple(box.local.shape) != box.global_shape:
         raise InputError("a tensor the table views as experts must be whole on each rank", key=key,
-                               expected=f"the whole {box.global_shape}",
-                               actual=f"{tuple(box.local.shape)} at {box.offsets}")
+                         expected=f"the whole {box.global_shape}",
+                         actual=f"{tuple(box.local.shape)} at {box.offsets}")
     return dataclasses.replace(box, global_shape=shape, offsets=(0,) * len(shape), local=box.local.view(shape))
 
 

@@ -56,18 +56,18 @@ def fp8_block_size(checkpoint_dir: str) -> tuple[int, int] | None:
         return None
     if not isinstance(quant, dict):
         raise InputError("quantization_config is not an object", key=f"{path}: quantization_config",
-                               expected='e.g. {"quant_method": "fp8", "weight_block_size": [128, 128]}',
-                               actual=repr(quant))
+                         expected='e.g. {"quant_method": "fp8", "weight_block_size": [128, 128]}',
+                         actual=repr(quant))
     method, fmt, block = quant.get("quant_method"), quant.get("fmt", "e4m3"), quant.get("weight_block_size")
     if method != "fp8":
         raise InputError("unsupported quantization method", key="quantization_config.quant_method",
-                               expected="'fp8' (block-quantized)", actual=repr(method))
+                         expected="'fp8' (block-quantized)", actual=repr(method))
     if fmt != "e4m3":
         raise InputError("unsupported FP8 format", key="quantization_config.fmt", expected="'e4m3'",
-                               actual=repr(fmt))
+                         actual=repr(fmt))
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise InputError("unsupported FP8 block size", key="quantization_config.weight_block_size",
-                               expected="two positive integers, e.g. [128, 128]", actual=block)
+                         expected="two positive integers, e.g. [128, 128]", actual=block)
     return int(block[0]), int(block[1])
 
 
@@ -78,11 +78,11 @@ def _read_config(path: str) -> dict[str, Any]:
             config = json.load(f)
     except (OSError, ValueError) as exc:
         raise InputError("unreadable config.json", key=path, expected="a JSON object",
-                               actual=f"{type(exc).__name__}: {exc}",
-                               hint="re-copy the checkpoint's config.json") from exc
+                         actual=f"{type(exc).__name__}: {exc}",
+                         hint="re-copy the checkpoint's config.json") from exc
     if not isinstance(config, dict):
         raise InputError("config.json is not a JSON object", key=path, expected="a JSON object",
-                               actual=type(config).__name__)
+                         actual=type(config).__name__)
     return config
 
 
@@ -101,10 +101,10 @@ class Fp8BlockSource:
             scale_key = key + SCALE_SUFFIX
             if scale_key not in keys:
                 raise InputError("FP8 weight without its scale", key=key, expected=f"a '{scale_key}' tensor",
-                                       actual="missing", hint="the checkpoint is incomplete or not block-quantized")
+                                 actual="missing", hint="the checkpoint is incomplete or not block-quantized")
             if len(meta.shape) != 2:
                 raise InputError("FP8 block quantization needs 2-D weights", key=key, expected="2 dims",
-                                       actual=f"shape {meta.shape}")
+                                 actual=f"shape {meta.shape}")
             expected = (math.ceil(meta.shape[0] / block[0]), math.ceil(meta.shape[1] / block[1]))
             got = inner.meta(scale_key)
             if got.shape != expected:
@@ -115,7 +115,7 @@ class Fp8BlockSource:
         orphans = sorted(s for s in self._scales if s[: -len(SCALE_SUFFIX)] not in self._quantized)
         if orphans:
             raise InputError("FP8 scale without an FP8 weight", key=orphans[0],
-                                   expected="a float8_e4m3fn weight beside each scale", actual=f"{len(orphans)} orphan scale(s)")
+                             expected="a float8_e4m3fn weight beside each scale", actual=f"{len(orphans)} orphan scale(s)")
 
     @property
     def bytes_read(self) -> int:
@@ -159,8 +159,8 @@ def open_source(path: str | os.PathLike[str]) -> Any:
         if any(k.endswith(SCALE_SUFFIX) for k in inner.keys()):
             inner.close()
             raise InputError("checkpoint has FP8 scales but config.json declares no quantization",
-                                   key=os.path.join(path, "config.json"),
-                                   expected="quantization_config with quant_method 'fp8'", actual="none")
+                             key=os.path.join(path, "config.json"),
+                             expected="quantization_config with quant_method 'fp8'", actual="none")
         return inner
     try:
         return Fp8BlockSource(inner, block)

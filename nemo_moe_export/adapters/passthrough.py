@@ -92,7 +92,7 @@ def extra_pieces(extra: Mapping[str, Any], plain_replica: tuple[int, int]) -> di
         if isinstance(value, HFShard):
             if value.key != key:
                 raise InputError("an extra tensor is filed under another name", key=key,
-                                       expected=f"the piece's own key {value.key!r}", actual=repr(key))
+                                 expected=f"the piece's own key {value.key!r}", actual=repr(key))
             out[key] = value
         elif torch.is_tensor(value):
             box = local_box(value, key=key, plain_replica=plain_replica)
@@ -100,7 +100,7 @@ def extra_pieces(extra: Mapping[str, Any], plain_replica: tuple[int, int]) -> di
                                replica=box.replica, replicas=box.replicas)
         else:
             raise InputError("extra tensors must be tensors, DTensors or HFShards", key=key,
-                                   expected="torch.Tensor | DTensor | HFShard", actual=type(value).__name__)
+                             expected="torch.Tensor | DTensor | HFShard", actual=type(value).__name__)
     return out
 
 

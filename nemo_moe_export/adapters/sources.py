@@ -44,7 +44,7 @@ class SafetensorsSource:
     def _file_of_each_key(self, path: str) -> dict[str, str]:
         if not os.path.exists(path):
             raise InputError("checkpoint not found", key=path,
-                                   expected="a checkpoint directory or a .safetensors file", actual="no such path")
+                             expected="a checkpoint directory or a .safetensors file", actual="no such path")
         if not os.path.isdir(path):
             return self._keys_of(path)
         if os.path.exists(os.path.join(path, INDEX_FILE)):
@@ -52,7 +52,7 @@ class SafetensorsSource:
         single = os.path.join(path, SINGLE_FILE)
         if not os.path.lexists(single):
             raise InputError("no safetensors checkpoint found", key=path,
-                                   expected=f"{INDEX_FILE} or {SINGLE_FILE}", actual=sorted(os.listdir(path)))
+                             expected=f"{INDEX_FILE} or {SINGLE_FILE}", actual=sorted(os.listdir(path)))
         return self._keys_of(single)
 
     def _keys_of(self, file: str) -> dict[str, str]:
@@ -79,8 +79,8 @@ class SafetensorsSource:
                 handle = safe_open(file, framework="pt", device="cpu")
             except (OSError, SafetensorError) as exc:  # a rule check_file does not know: still name the file
                 raise InputError("safetensors cannot open the file", key=file,
-                                       expected="a readable safetensors file", actual=f"{type(exc).__name__}: {exc}",
-                                       ) from exc
+                                 expected="a readable safetensors file", actual=f"{type(exc).__name__}: {exc}",
+                                 ) from exc
             self._handles[file] = self._stack.enter_context(handle)
         return self._handles[file]
 
@@ -99,7 +99,7 @@ class SafetensorsSource:
             dtype = torch_dtype(sl.get_dtype(), key=key)
         except InputError as exc:  # a format dtype torch cannot hold (F4, F6_*): say where
             raise InputError(exc.problem, key=key, expected=exc.expected,
-                                   actual=f"{exc.actual} in {self._files[key]}", hint=exc.hint) from None
+                             actual=f"{exc.actual} in {self._files[key]}", hint=exc.hint) from None
         return TensorMeta(tuple(sl.get_shape()), dtype)
 
     def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:

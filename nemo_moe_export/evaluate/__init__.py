@@ -12,6 +12,7 @@ who runs what), :mod:`.runner` (one forward),
 default; :mod:`.callback` wraps the driver for training loops.
 """
 
+from nemo_moe_export.evaluate.batching import Batch, StepPlan, default_tokens_per_batch, plan_batches, plan_steps
 from nemo_moe_export.evaluate.callback import MMLUCallback, spread_subset
 from nemo_moe_export.evaluate.data import (
     CATEGORIES,
@@ -24,7 +25,6 @@ from nemo_moe_export.evaluate.data import (
 )
 from nemo_moe_export.evaluate.evaluator import MMLUStepError, evaluate_mmlu, phase_coordinator
 from nemo_moe_export.evaluate.options import POLICIES, SCORING_MODES, MMLUOptions
-from nemo_moe_export.evaluate.batching import Batch, StepPlan, default_tokens_per_batch, plan_batches, plan_steps
 from nemo_moe_export.evaluate.prefixes import SharedPrefix, find_shared_prefixes
 from nemo_moe_export.evaluate.prepare import PreparedQuestions, Row, default_max_length, prepare_questions
 from nemo_moe_export.evaluate.prompts import (
@@ -39,7 +39,6 @@ from nemo_moe_export.evaluate.prompts import (
     truncate_left,
 )
 from nemo_moe_export.evaluate.results import MMLUResult
-from nemo_moe_export.evaluate.task import PACKAGED_TASKS, Task, load_questions, load_task
 from nemo_moe_export.evaluate.scoring import (
     aggregate,
     batch_continuation_logprobs,
@@ -48,6 +47,7 @@ from nemo_moe_export.evaluate.scoring import (
     question_record,
     results_to_markdown,
 )
+from nemo_moe_export.evaluate.task import PACKAGED_TASKS, Task, load_questions, load_task
 
 __all__ = [
     "ANSWER_CONTINUATIONS",

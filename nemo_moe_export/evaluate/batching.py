@@ -107,7 +107,7 @@ def plan_batches(rows: Sequence[Row], batch_size: int, *, token_budget: int = 0,
     feeds, no padding and no copied prefix. Deterministic: ties are broken by row id."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise InputError("batch_size must be a positive integer", key="batch_size", expected=">= 1",
-                               actual=batch_size)
+                         actual=batch_size)
     budget = _Budget(batch_size, token_budget)
     shared = {r for p in prefixes for r in p.rows}
     batches: list[Batch] = []

@@ -38,13 +38,13 @@ from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import Question, normalize_split
 from nemo_moe_export.evaluate.evaluator import evaluate_mmlu, phase_coordinator
 from nemo_moe_export.evaluate.options import MMLUOptions
+from nemo_moe_export.evaluate.outputs import log_summary, write_outputs
 from nemo_moe_export.evaluate.prepare import (
     PreparedQuestions,
     default_max_length,
     model_vocab_size,
     prepare_questions,
 )
-from nemo_moe_export.evaluate.outputs import log_summary, write_outputs
 from nemo_moe_export.evaluate.results import MMLUResult
 from nemo_moe_export.evaluate.task import Task, load_questions, load_task
 from nemo_moe_export.hooks import Hook, RecipeContext
@@ -163,8 +163,9 @@ class MMLUCallback(Hook):
         self._publish(result, metrics, step, coordinator)
         return metrics
 
-    def _prepare(self, model: Any, tokenizer: Any) -> PreparedQuestions:
-        """Load and tokenize once per (tokenizer, max_length); deterministic, so equal on all ranks."""
+    def questions(self) -> tuple[list[Question], list[Question]]:
+        """The few-shot pool and the evaluated questions, read once from ``data_path`` (bad data
+        raises here, on every rank, before any collective)."""
         o, task = self.options, self.task
         if self._data is None:
             # the few-shot split is read whenever the task samples one (MMLU's dev, even for 0-shot)
@@ -175,13 +176,18 @@ class MMLUCallback(Hook):
             dev = [q for q in loaded if q.split == fewshot]
             evaluated = spread_subset([q for q in loaded if q.split == o.split], o.max_questions)
             self._data = (dev, evaluated)
+        return self._data
+
+    def _prepare(self, model: Any, tokenizer: Any) -> PreparedQuestions:
+        """Tokenize once per (tokenizer, max_length); deterministic, so equal on all ranks."""
+        o = self.options
+        dev, evaluated = self.questions()
         max_length = o.max_length or default_max_length(model, tokenizer)
         key = (id(tokenizer), max_length)
         if self._prepared is None or self._prepared[0] != key:
-            dev, evaluated = self._data
             prepared = prepare_questions(
                 tokenizer, evaluated, dev, k_shot=o.k_shot, max_length=max_length, scoring=o.scoring,
-                vocab_size=model_vocab_size(model), task=task)
+                vocab_size=model_vocab_size(model), task=self.task)
             self._prepared = (key, prepared)
         return self._prepared[1]
 

@@ -278,7 +278,7 @@ def _read_bytes(path: Path) -> bytes:
     except OSError as e:
         kind = "a dangling symbolic link" if path.is_symlink() and not path.exists() else type(e).__name__
         raise InputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable file",
-                               actual=f"{kind}: {e.strerror or e}") from e
+                         actual=f"{kind}: {e.strerror or e}") from e
 
 
 def _decode(path: Path, data: bytes, row_of: Callable[[str], int]) -> str:
@@ -303,8 +303,8 @@ def _require_questions(path: Path, count: int, allow_empty: bool) -> None:
     message = f"MMLU data file {path} holds no questions"
     if not allow_empty:
         raise InputError(message, key=str(path), expected="at least one question", actual="none",
-                               hint="restore the file, remove it, or pass allow_empty_files=True to skip it "
-                                    "with a warning")
+                         hint="restore the file, remove it, or pass allow_empty_files=True to skip it "
+                              "with a warning")
     warnings.warn(message + ": its subject contributes nothing to this split", stacklevel=4)
 
 
@@ -498,8 +498,8 @@ def _arrow_files(state_file: Path) -> list[Path]:
         files = [state_file.parent / e["filename"] for e in json.loads(_read_bytes(state_file))["_data_files"]]
     except (ValueError, KeyError, TypeError) as e:
         raise InputError(f"unreadable datasets state file {state_file}", key=str(state_file),
-                               expected='{"_data_files": [{"filename": ...}, ...]}',
-                               actual=f"{type(e).__name__}: {e}") from e
+                         expected='{"_data_files": [{"filename": ...}, ...]}',
+                         actual=f"{type(e).__name__}: {e}") from e
     return files
 
 
@@ -514,7 +514,7 @@ def _read_table(path: Path, read: Callable[..., Any], *args: Any) -> Any:
         return read(*args)
     except Exception as e:  # pyarrow's ArrowInvalid, OSError, ...
         raise InputError(f"cannot read MMLU data file {path}", key=str(path), expected="a readable table file",
-                               actual=f"{type(e).__name__}: {e}") from e
+                         actual=f"{type(e).__name__}: {e}") from e
 
 
 # --- shared record parsing ------------------------------------------------------------------------
@@ -524,7 +524,7 @@ def _raw_from_record(rec: Any, where: str) -> _Raw:
     """Validate one ``{question, subject, choices, answer}`` record (JSONL, parquet, arrow)."""
     if not isinstance(rec, dict):
         raise InputError(f"record in {where} is not an object", expected="object",
-                               actual=type(rec).__name__)
+                         actual=type(rec).__name__)
     missing = [k for k in ("question", "subject", "choices", "answer") if k not in rec]
     if missing:
         raise InputError(
@@ -534,10 +534,10 @@ def _raw_from_record(rec: Any, where: str) -> _Raw:
     subject, question, choices = rec["subject"], rec["question"], rec["choices"]
     if not isinstance(subject, str) or not subject:
         raise InputError(f"bad subject in {where}", expected="non-empty string",
-                               actual=repr(subject))
+                         actual=repr(subject))
     if not isinstance(question, str):
         raise InputError(f"bad question in {where}", key=subject, expected="string",
-                               actual=repr(question))
+                         actual=repr(question))
     if not isinstance(choices, list | tuple) or len(choices) != 4:
         raise InputError(
             f"bad choices in {where}", key=subject, expected="a list of 4 strings",

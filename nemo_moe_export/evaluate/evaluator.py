@@ -69,8 +69,6 @@ from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.collectives import fingerprint_words
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.evaluate.data import Question
-from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.batching import (
     Batch,
     StepPlan,
@@ -79,6 +77,8 @@ from nemo_moe_export.evaluate.batching import (
     plan_fingerprint,
     plan_steps,
 )
+from nemo_moe_export.evaluate.data import Question
+from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.prefix_attention import shares_prefix_keys
 from nemo_moe_export.evaluate.prefixes import SharedPrefix, find_shared_prefixes, prefix_multiple
 from nemo_moe_export.evaluate.prepare import (
@@ -251,8 +251,8 @@ def _require_not_options(layout: Any) -> None:
     """Options are the 6th argument; passed 5th they would be taken for the layout."""
     if isinstance(layout, (MMLUOptions, dict)):
         raise InputError("MMLU options were passed as the parallel layout", key="layout",
-                               expected="a ParallelLayout or None", actual=type(layout).__name__,
-                               hint="pass them as options=... (evaluate_mmlu(model, tok, qs, dev, layout, options))")
+                         expected="a ParallelLayout or None", actual=type(layout).__name__,
+                         hint="pass them as options=... (evaluate_mmlu(model, tok, qs, dev, layout, options))")
 
 
 def _run_steps(runner: ForwardRunner, batches: Sequence[Batch], plan: StepPlan, coordinator: Coordinator,

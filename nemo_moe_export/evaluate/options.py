@@ -95,7 +95,7 @@ class MMLUOptions(Options):
             load_task(self.task).require_fewshot(self.k_shot)
         except InputError as exc:  # named as an option, with the task's own words
             raise InputError(f"bad MMLU option: {exc.problem}", key=exc.key, expected=exc.expected,
-                                   actual=exc.actual, hint=exc.hint) from None
+                             actual=exc.actual, hint=exc.hint) from None
 
 
 def _require(ok: bool, key: str, expected: str, actual: object) -> None:

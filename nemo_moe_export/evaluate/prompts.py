@@ -194,7 +194,7 @@ def truncate_left(
     """
     if max_length < 1:
         raise InputError("max_length must be >= 1", key="max_length", expected=">= 1",
-                               actual=max_length)
+                         actual=max_length)
     if not context or not continuation or len(continuation) > max_length:
         raise InputError(
             "cannot score request", key="continuation",

@@ -50,7 +50,7 @@ def continuation_logprob(
     """
     if logits.dim() != 2:
         raise InputError("logits must be [seq, vocab]", key="logits", expected="2 dims",
-                               actual=tuple(logits.shape))
+                         actual=tuple(logits.shape))
     seq = logits.shape[0] if input_length is None else input_length
     n = len(continuation)
     if not 0 < n <= seq <= logits.shape[0]:
@@ -86,7 +86,7 @@ def batch_continuation_logprobs(
         for j, continuation in enumerate(choices):
             if not 0 < len(continuation) <= n_keep:
                 raise InputError("continuation does not fit the kept logits", key="continuation",
-                                       expected=f"1..{n_keep} tokens", actual=f"{len(continuation)} tokens")
+                                 expected=f"1..{n_keep} tokens", actual=f"{len(continuation)} tokens")
             index += [(i, n_keep - len(continuation) + t, tok, width * i + j) for t, tok in enumerate(continuation)]
     row, position, token, slot = torch.tensor(index, dtype=torch.long).T.to(logits.device)
     logprobs = torch.log_softmax(logits, dim=-1, dtype=dtype)
@@ -102,7 +102,7 @@ def predict(scores: Sequence[float]) -> int:
     values = [float(s) for s in scores]
     if not values or any(math.isnan(v) for v in values):
         raise InputError("bad choice scores", key="scores", expected="non-empty, no NaN",
-                               actual=values)
+                         actual=values)
     best = 0
     for i, v in enumerate(values):
         if v > values[best]:
@@ -118,7 +118,7 @@ def question_record(q: Question, scores: Sequence[float], task: Task | str = "mm
     choices = task.choices(q)
     if len(scores) != len(choices):
         raise InputError("one score per choice", key=f"{q.subject}[{q.index}]", expected=len(choices),
-                               actual=len(scores))
+                         actual=len(scores))
     pred = predict(scores)
     record = {
         "subject": q.subject,

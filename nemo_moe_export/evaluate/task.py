@@ -157,13 +157,13 @@ class Task:
             return _template(template).render(**doc)
         except Exception as exc:  # jinja2's UndefinedError, a ValueError of .index(), ...
             raise InputError(f"task {self.name!r}: {key} cannot be rendered for a document", key=key,
-                                   expected=f"the template {template!r} to apply",
-                                   actual=f"{type(exc).__name__}: {exc} (document {_short(doc)})") from None
+                             expected=f"the template {template!r} to apply",
+                             actual=f"{type(exc).__name__}: {exc} (document {_short(doc)})") from None
 
     def _check(self, ok: bool, key: str, expected: str, actual: Any, doc: Mapping[str, Any]) -> None:
         if not ok:
             raise InputError(f"task {self.name!r}: bad {key} for a document", key=key, expected=expected,
-                                   actual=f"{actual!r} (document {_short(doc)})")
+                             actual=f"{actual!r} (document {_short(doc)})")
 
     # --- few-shot and groups --------------------------------------------------------------------
 
@@ -208,14 +208,14 @@ def load_task(task: Task | str = "mmlu") -> Task:
         return task
     if not isinstance(task, str) or not task:
         raise InputError("bad evaluation task", key="task", expected="a task name or a YAML path",
-                               actual=repr(task))
+                         actual=repr(task))
     if task in PACKAGED_TASKS:
         return _read_task(str(TASKS_DIR / f"{task}.yaml"))
     if is_task_path(task):
         return _read_task(str(Path(task).resolve()))
     raise InputError("unknown evaluation task", key="task",
-                           expected=f"one of the packaged tasks {list(PACKAGED_TASKS)} or a path to a task YAML",
-                           actual=repr(task))
+                     expected=f"one of the packaged tasks {list(PACKAGED_TASKS)} or a path to a task YAML",
+                     actual=repr(task))
 
 
 def is_task_path(task: str) -> bool:
@@ -229,10 +229,10 @@ def _read_task(path: str) -> Task:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise InputError("cannot read task file", key="task", expected="a readable YAML file",
-                               actual=f"{path}: {exc.strerror or exc}") from None
+                         actual=f"{path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
         raise InputError("task file is not valid YAML", key="task", expected="YAML",
-                               actual=f"{path}: {exc}") from None
+                         actual=f"{path}: {exc}") from None
     return task_from_mapping(data, path)
 
 
@@ -313,7 +313,7 @@ def load_questions(task: Task | str, path: str | Path, *, splits: Sequence[str],
     root = Path(path)
     if not root.is_dir():
         raise InputError(f"{task.name} data directory not found", key=str(root), expected="an existing directory",
-                               actual="missing" if not root.exists() else "a file")
+                         actual="missing" if not root.exists() else "a file")
     wanted = tuple(dict.fromkeys(normalize_split(s) for s in splits))
     out = [q for split in wanted for q in _questions(task, root, split)]
     if subjects is not None:
@@ -322,7 +322,7 @@ def load_questions(task: Task | str, path: str | Path, *, splits: Sequence[str],
             missing = [s for s in subjects if s not in available]
             if missing:
                 raise InputError(f"group(s) not found in the {split} split", key="subjects",
-                                       expected=f"some of {available}", actual=missing)
+                                 expected=f"some of {available}", actual=missing)
         out = [q for q in out if q.subject in set(subjects)]
     return out
 
@@ -333,22 +333,22 @@ def _questions(task: Task, root: Path, split: str) -> list[Question]:
     files = [root / f"{name}.jsonl"] if (root / f"{name}.jsonl").is_file() else sorted(root.glob(f"{name}-*.parquet"))
     if not files:
         raise InputError(f"{task.name} {split} split not found under {root}", key=split,
-                               expected=f"{name}.jsonl or {name}-*.parquet",
-                               actual=sorted(p.name for p in root.iterdir())[:20])
+                         expected=f"{name}.jsonl or {name}-*.parquet",
+                         actual=sorted(p.name for p in root.iterdir())[:20])
     counters: dict[str, int] = {}
     out = []
     for doc, where in (r for f in files for r in read_records(f)):
         group = task.name if task.group_by is None else doc.get(task.group_by)
         if not isinstance(group, str) or not group:
             raise InputError(f"bad {task.group_by} in {where}", key=str(task.group_by),
-                                   expected="a non-empty string", actual=repr(group))
+                             expected="a non-empty string", actual=repr(group))
         try:
             choices = task.choices_of(doc)
             gold = task.target_of(doc, choices)
             text = task.text_of(doc)
         except InputError as exc:
             raise InputError(f"{exc.problem} ({where})", key=exc.key, expected=exc.expected,
-                                   actual=exc.actual) from None
+                             actual=exc.actual) from None
         index = counters.get(group, 0)
         counters[group] = index + 1
         out.append(Question(group, text, tuple(choices), gold, split, index, doc))

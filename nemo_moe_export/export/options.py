@@ -78,14 +78,14 @@ class ExportOptions(Options):
         _check_quantize(self.quantize, self.scale_fmt, self.quantize_keys)
         if self.replica_mismatch not in ("error", "mean") and not _RANK_POLICY.match(str(self.replica_mismatch)):
             raise InputError("unknown replica_mismatch policy", key="replica_mismatch",
-                                   expected="'error', 'mean' or 'rank:N' (N a global rank)",
-                                   actual=repr(self.replica_mismatch))
+                             expected="'error', 'mean' or 'rank:N' (N a global rank)",
+                             actual=repr(self.replica_mismatch))
         if not isinstance(self.passthrough, bool):
             raise InputError("passthrough must be true or false", key="passthrough", expected="a bool",
-                                   actual=repr(self.passthrough))
+                             actual=repr(self.passthrough))
         if not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise InputError("timeout must be positive", key="timeout_s", expected="> 0 seconds",
-                                   actual=repr(self.timeout_s))
+                             actual=repr(self.timeout_s))
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
@@ -118,7 +118,7 @@ def parse_dtype(dtype: Any, *, key: str = "dtype", problem: str | None = None,
         raise InputError("unknown dtype", key=key, expected=expected, actual=repr(dtype))
     if not value.is_floating_point:
         raise InputError("export dtype must be floating point", key=key,
-                               expected="e.g. torch.bfloat16", actual=value)
+                         expected="e.g. torch.bfloat16", actual=value)
     return value
 
 
@@ -135,7 +135,7 @@ def parse_size(size: int | str) -> int:
         m = _SIZE.match(str(size))
         if not m:
             raise InputError("unreadable size", key="max_shard_size", expected="e.g. 5GB, 512MiB or bytes",
-                                   actual=repr(size))
+                             actual=repr(size))
         value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
     if value <= 0:
         raise InputError("size must be positive", key="max_shard_size", expected="> 0", actual=value)
@@ -153,20 +153,20 @@ def _check_patterns(patterns: list[str], key: str = "keep_dtype", example: str =
             re.compile(pattern)
         except (re.error, TypeError) as exc:
             raise InputError(f"{key} entries must be regular expressions", key=key,
-                                   expected=f"e.g. {example}", actual=f"{pattern!r} ({exc})") from exc
+                             expected=f"e.g. {example}", actual=f"{pattern!r} ({exc})") from exc
 
 
 def _check_writers(writer_ranks: Any, writer_threads: Any, staging_bytes: Any) -> None:
     if not isinstance(staging_bytes, int) or staging_bytes <= 0 or staging_bytes % 8:
         raise InputError("staging buffer size must be a positive multiple of 8 bytes",
-                               key="staging_bytes", expected="e.g. 64 << 20", actual=staging_bytes)
+                         key="staging_bytes", expected="e.g. 64 << 20", actual=staging_bytes)
     if not isinstance(writer_threads, int) or writer_threads < 1:
         raise InputError("writer_threads must be a positive integer", key="writer_threads",
-                               expected=">= 1", actual=repr(writer_threads))
+                         expected=">= 1", actual=repr(writer_threads))
     if writer_ranks is not None and (len(writer_ranks) == 0 or any(
             not isinstance(r, int) or r < 0 for r in writer_ranks)):
         raise InputError("writer_ranks must name ranks of the group", key="writer_ranks",
-                               expected="None or a non-empty list of ranks", actual=writer_ranks)
+                         expected="None or a non-empty list of ranks", actual=writer_ranks)
 
 
 def _check_quantize(quantize: Any, scale_fmt: Any, quantize_keys: Any) -> None:
@@ -178,9 +178,9 @@ def _check_quantize(quantize: Any, scale_fmt: Any, quantize_keys: Any) -> None:
     for key, value in (("scale_fmt", scale_fmt), ("quantize_keys", quantize_keys)):
         if value is not None and quantize is None:
             raise InputError(f"{key} applies to a quantized export", key=key,
-                                   expected="quantize='fp8_block' beside it", actual=f"quantize=None, {key}={value!r}")
+                             expected="quantize='fp8_block' beside it", actual=f"quantize=None, {key}={value!r}")
     if quantize_keys is not None:
         if isinstance(quantize_keys, str) or not quantize_keys:
             raise InputError("quantize_keys must be a non-empty list of regexes", key="quantize_keys",
-                                   expected=r"e.g. ['\\.mlp\\.experts\\.']", actual=repr(quantize_keys))
+                             expected=r"e.g. ['\\.mlp\\.experts\\.']", actual=repr(quantize_keys))
         _check_patterns(quantize_keys, "quantize_keys", r"['\.mlp\.experts\.']")

@@ -23,8 +23,8 @@ import torch
 
 from nemo_moe_export.adapters import HFShard, TensorMeta
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.placement import get_sharded_expert_range
 from nemo_moe_export.export.options import ExportOptions, parse_dtype, parse_size
+from nemo_moe_export.placement import get_sharded_expert_range
 from nemo_moe_export.safetensors_format import (EXPORT_ID_KEY, TensorEntry, dtype_name, encode_header, encode_index,
                                                 replace_header_metadata)
 
@@ -228,7 +228,7 @@ def assign_file_owners(plan: ExportPlan, writer_ranks: Sequence[int]) -> dict[st
     """
     if not writer_ranks:
         raise InputError("no rank to own the checkpoint files", key="writer_ranks",
-                               expected="at least one rank", actual=list(writer_ranks))
+                         expected="at least one rank", actual=list(writer_ranks))
     return {f.name: writer_ranks[i % len(writer_ranks)] for i, f in enumerate(plan.files)}
 
 
@@ -242,8 +242,8 @@ def element_counts(plan: ExportPlan, pieces: Iterable[HFShard]) -> torch.Tensor:
             continue
         if piece.key not in position:
             raise InputError("a piece has no place in the export plan", key=piece.key,
-                                   expected=f"one of the plan's {len(position)} keys", actual="not planned",
-                                   hint="pieces and plan must come from the same adapter and state dict")
+                             expected=f"one of the plan's {len(position)} keys", actual="not planned",
+                             hint="pieces and plan must come from the same adapter and state dict")
         counts[position[piece.key]] += piece.tensor.numel()
     return counts
 

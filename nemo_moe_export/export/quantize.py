@@ -64,13 +64,13 @@ def quantized_keys(plan: ExportPlan, adapter: StateDictAdapter, options: ExportO
             continue
         if len(planned.shape) != 2 or not planned.dtype.is_floating_point:
             raise InputError("only 2-D floating weights can be block-quantized", key=key,
-                                   expected="a floating [out, in] weight", actual=f"{planned.dtype} {planned.shape}",
-                                   hint="narrow quantize_keys (or the table's fp8_weights) to the linear weights")
+                             expected="a floating [out, in] weight", actual=f"{planned.dtype} {planned.shape}",
+                             hint="narrow quantize_keys (or the table's fp8_weights) to the linear weights")
         keys.add(key)
     if not keys:
         raise InputError("quantize='fp8_block' matches no weight of the model", key="quantize_keys",
-                               expected=f"keys matching {[p.pattern for p in patterns]}",
-                               actual=f"none of the {len(plan.tensors)} planned keys")
+                         expected=f"keys matching {[p.pattern for p in patterns]}",
+                         actual=f"none of the {len(plan.tensors)} planned keys")
     return frozenset(keys)
 
 
@@ -87,8 +87,8 @@ def _family_patterns(adapter: StateDictAdapter) -> tuple[str, ...]:
         patterns = ()
     if not patterns:
         raise InputError("this model family declares no FP8 weights", key=str(model_type),
-                               expected="a table with fp8_weights (deepseek_v3, kimi_k2, qwen3_moe) or quantize_keys",
-                               actual="none", hint="pass quantize_keys=[...] with regexes of the linear weights to quantize")
+                         expected="a table with fp8_weights (deepseek_v3, kimi_k2, qwen3_moe) or quantize_keys",
+                         actual="none", hint="pass quantize_keys=[...] with regexes of the linear weights to quantize")
     return patterns
 
 
@@ -109,8 +109,8 @@ def fp8_plan(plan: ExportPlan, keys: Collection[str], max_shard_bytes: int) -> E
             continue
         if key + SCALE_SUFFIX in plan.tensors:
             raise InputError("the scale name of a weight to quantize is taken", key=key + SCALE_SUFFIX,
-                                   expected="no tensor of that name", actual="a planned tensor",
-                                   hint="a checkpoint's own scales cannot be written beside new ones")
+                             expected="no tensor of that name", actual="a planned tensor",
+                             hint="a checkpoint's own scales cannot be written beside new ones")
         metas[key] = TensorMeta(planned.shape, FP8_DTYPE)
         metas[key + SCALE_SUFFIX] = TensorMeta(_grid(planned.shape), torch.float32)
     return plan_export(metas, max_shard_size=max_shard_bytes, export_id=plan.export_id)
@@ -397,8 +397,8 @@ def _check_scale_coverage(plan: ExportPlan, keys: Collection[str], owned: int) -
     expected = sum(math.prod(plan.tensors[k + SCALE_SUFFIX].shape) for k in keys)
     if owned != expected:
         raise InputError("FP8 scales would not be written exactly once", key=SCALE_SUFFIX,
-                               expected=f"{expected} scales, one writer each", actual=f"{owned} owned across ranks",
-                               hint="the weight shares must tile every quantized tensor; check the mesh and placements")
+                         expected=f"{expected} scales, one writer each", actual=f"{owned} owned across ranks",
+                         hint="the weight shares must tile every quantized tensor; check the mesh and placements")
 
 
 # --------------------------------------------------------------------------------------------------

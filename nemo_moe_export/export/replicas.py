@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.placement import unsplit_model_parallel_dims
 from nemo_moe_export.parallel import Coordinator
+from nemo_moe_export.placement import unsplit_model_parallel_dims
 
 __all__ = ["ReplicaReport", "ReplicaSet", "checksum", "compare_replicas", "replica_sets", "settle_findings",
            "with_copies"]

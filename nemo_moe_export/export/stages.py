@@ -44,8 +44,8 @@ from nemo_moe_export.collectives import gloo_group
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.replicas import checksum
 from nemo_moe_export.export.verify import MTP_MODULES
-from nemo_moe_export.placement import local_box
 from nemo_moe_export.parallel import Coordinator, RankGroup
+from nemo_moe_export.placement import local_box
 
 __all__ = ["Catalogue", "catalogue_of", "check_declared", "check_mtp_layers", "check_tied", "merge_catalogues",
            "pipeline_group_of", "stage_replicated", "tied_boxes", "tied_pairs"]

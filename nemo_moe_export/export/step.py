@@ -52,10 +52,10 @@ from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_coun
 from nemo_moe_export.export.quantize import quantization_config, quantize_export
 from nemo_moe_export.export.replicas import (ReplicaReport, ReplicaSet, compare_replicas, replica_sets, settle_findings,
                                              with_copies)
+from nemo_moe_export.export.row_exchange import row_parallel_shares, write_exchanged_rows
 from nemo_moe_export.export.stages import (Catalogue, catalogue_of, check_declared, check_mtp_layers, check_tied,
                                            merge_catalogues, pipeline_group_of, stage_replicated, tied_boxes,
                                            tied_pairs)
-from nemo_moe_export.export.row_exchange import row_parallel_shares, write_exchanged_rows
 from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, check_writer_ranks, writer_for
 from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export_id, write_metadata_files
 from nemo_moe_export.export.verify import verify_checkpoint
@@ -408,7 +408,7 @@ def _resolve_inputs(model: Any, state_dict: Mapping[str, torch.Tensor] | None, c
     if state_dict is None:
         if first is None:
             raise InputError("nothing to export", key="model", expected="a model, its stage modules or a state_dict",
-                                   actual="neither")
+                             actual="neither")
         state_dict = state_dict_of(parts)
     config = config if config is not None else getattr(first, "config", None)
     if config is None:
@@ -492,8 +492,8 @@ def _all_metadata(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Tens
     for key in extras:
         if key in metadata or key in state_dict:
             raise InputError("an extra tensor has the name of a model tensor", key=key,
-                                   expected="a name the model does not write", actual="a model tensor's name",
-                                   hint="pass extra tensors only for keys outside the model's state dict")
+                             expected="a name the model does not write", actual="a model tensor's name",
+                             hint="pass extra tensors only for keys outside the model's state dict")
     return {**metadata, **extra_metadata(extras)}
 
 
@@ -503,7 +503,7 @@ def _check_replica_source(options: ExportOptions, coordinator: Coordinator) -> N
     members = [coordinator.global_rank(r) for r in range(max(coordinator.world_size, 1))]
     if source is not None and source not in members:
         raise InputError("replica_mismatch names a rank outside the export group", key="replica_mismatch",
-                               expected=f"rank:N with N in {members}", actual=repr(options.replica_mismatch))
+                         expected=f"rank:N with N in {members}", actual=repr(options.replica_mismatch))
 
 
 def _prepare(steps: _Steps, job: _Job) -> None:

@@ -92,7 +92,7 @@ def check_writer_ranks(options: ExportOptions, coordinator: Coordinator) -> None
     ranks, world = options.writer_ranks, max(coordinator.world_size, 1)
     if ranks is not None and (not ranks or any(not 0 <= r < world for r in ranks)):
         raise InputError("writer_ranks must name ranks of the group", key="writer_ranks",
-                               expected=f"a non-empty subset of 0..{coordinator.world_size - 1}", actual=ranks)
+                         expected=f"a non-empty subset of 0..{coordinator.world_size - 1}", actual=ranks)
 
 
 def writer_for(options: ExportOptions, coordinator: Coordinator) -> StorageWriter:

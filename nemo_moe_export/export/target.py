@@ -111,11 +111,11 @@ class ExportTarget:
                 hint='pass overwrite="replace" (it is restored first, then replaced) or move it back by hand')
         if os.path.lexists(self.path) and overwrite == "error":
             raise InputError("export target already exists", key=self.path, expected="no directory there",
-                                   actual="an existing path", hint='pass overwrite="replace" to swap it atomically')
+                             actual="an existing path", hint='pass overwrite="replace" to swap it atomically')
         if not os.path.isdir(self.parent):
             raise InputError("parent of the export target does not exist", key=self.parent,
-                                   expected="an existing directory on a filesystem shared by all ranks",
-                                   actual="missing")
+                             expected="an existing directory on a filesystem shared by all ranks",
+                             actual="missing")
 
     # --- rank 0: before writing -----------------------------------------------------------------
 
@@ -140,7 +140,7 @@ class ExportTarget:
             _Heartbeat.start(self.lock)
             return
         raise InputError("could not take the export lock", key=self.lock, expected="a free lock",
-                               actual="taken again by another job")
+                         actual="taken again by another job")
 
     def _break_stale_lock(self) -> None:
         """Refuse while a live job holds the lock; remove a dead job's lock, saying so."""
@@ -193,8 +193,8 @@ class ExportTarget:
             _rename_no_replace(self.partial, self.path)
         elif overwrite != "replace":
             raise InputError("export target appeared while exporting", key=self.path,
-                                   expected="no directory there", actual="an existing path (another job's?)",
-                                   hint='pass overwrite="replace" to replace it')
+                             expected="no directory there", actual="an existing path (another job's?)",
+                             hint='pass overwrite="replace" to replace it')
         elif _exchange(self.partial, self.path):
             fsync_path(self.parent)
             self._note(f"replaced the previous checkpoint at {self.path} ({_tree_bytes(self.partial) / 1e6:.1f} MB)")
@@ -279,7 +279,7 @@ def _rename_no_replace(src: str, dst: str) -> None:
             return
     except FileExistsError as exc:
         raise InputError("export target appeared while exporting", key=dst, expected="no directory there",
-                               actual="an existing path (another job's?)") from exc
+                         actual="an existing path (another job's?)") from exc
     os.rename(src, dst)
 
 

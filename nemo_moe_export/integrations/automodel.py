@@ -114,17 +114,17 @@ class AutoPipelineCausalLM(PipelinedCausalLM):
         stages = list(autopipeline.info.stages or ())
         if not stages or autopipeline.info.schedule is None:
             raise InputError("AutoPipeline has no stages", key="autopipeline", expected="a built AutoPipeline",
-                                   actual="no stages", hint="call autopipeline.build(model, ...) first")
+                             actual="no stages", hint="call autopipeline.build(model, ...) first")
         scheduled = autopipeline.pp_batch_size // autopipeline.pp_microbatch_size  # what AutoPipeline builds
         if n_microbatches not in (None, scheduled):
             raise InputError("AutoPipeline's schedule fixes the microbatch count", key="n_microbatches",
-                                   expected=scheduled, actual=n_microbatches,
-                                   hint="leave n_microbatches out: pp_batch_size // pp_microbatch_size")
+                             expected=scheduled, actual=n_microbatches,
+                             hint="leave n_microbatches out: pp_batch_size // pp_microbatch_size")
         if any(getattr(s.submod, "_pp_return_hidden_states", False) is True for s in stages):
             raise InputError("AutoPipeline's last stage returns hidden states, not logits",
-                                   key="_pp_return_hidden_states", expected=False, actual=True,
-                                   hint="AutoModel's recipe sets it for a linear cross-entropy loss; evaluate MMLU "
-                                        "with a logits loss (e.g. MaskedCrossEntropy)")
+                             key="_pp_return_hidden_states", expected=False, actual=True,
+                             hint="AutoModel's recipe sets it for a linear cross-entropy loss; evaluate MMLU "
+                                  "with a logits loss (e.g. MaskedCrossEntropy)")
         # before Module.__init__: PipelinedCausalLM's constructor checks the parts through stage_info()
         self._infos = {id(s.submod): _info_of(s) for s in stages}
         super().__init__([s.submod for s in stages], [s.stage_index for s in stages], stages[0].num_stages,
@@ -141,7 +141,7 @@ class AutoPipelineCausalLM(PipelinedCausalLM):
         the rank holding it, None elsewhere."""
         if loss_fn is not None:
             raise InputError("AutoPipelineCausalLM only evaluates", key="loss_fn", expected=None,
-                                   actual=loss_fn, hint="train with autopipeline.step (AutoModel's recipe does)")
+                             actual=loss_fn, hint="train with autopipeline.step (AutoModel's recipe does)")
         pipeline = self.autopipeline
         schedule, stages = pipeline.info.schedule, pipeline.info.stages
         keep = kwargs.pop("logits_to_keep", None)
@@ -294,13 +294,13 @@ def recipe_settings(section: Any, checkpoint_dir: str | None) -> dict[str, Any]:
     settings = _plain(section) if section is not None else {}
     if not isinstance(settings, dict):
         raise InputError("the moe_export section of the recipe YAML is not a mapping", key="moe_export",
-                               expected="a mapping with the sections mmlu and export",
-                               actual=type(settings).__name__)
+                         expected="a mapping with the sections mmlu and export",
+                         actual=type(settings).__name__)
     unknown = sorted(set(settings) - {"mmlu", "export"})
     if unknown:
         raise InputError("unknown moe_export settings in the recipe YAML", key=f"moe_export.{unknown[0]}",
-                               expected="the sections mmlu and export", actual=unknown,
-                               hint="MMLU options go under moe_export.mmlu, export options under moe_export.export")
+                         expected="the sections mmlu and export", actual=unknown,
+                         hint="MMLU options go under moe_export.mmlu, export options under moe_export.export")
     base = checkpoint_dir or "."
     out: dict[str, Any] = {}
     if settings.get("mmlu") is not None:

@@ -20,6 +20,7 @@ whatever it can know is wrong from the config, the world size and the filesystem
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -28,9 +29,9 @@ from nemo_moe_export.config import BACKENDS, STAGES, model_dtype, validate_confi
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
 from nemo_moe_export.evaluate.task import load_questions, load_task
+from nemo_moe_export.job.data import SUBJECTS
 from nemo_moe_export.megatron.recipe import check_megatron_pipeline
 from nemo_moe_export.parallel import DEVICES
-from nemo_moe_export.job.data import SUBJECTS
 from nemo_moe_export.tiny_models import FAMILIES, build_model
 
 __all__ = ["STRATEGIES", "check_config", "check_export_target", "check_stages", "check_strategy", "export_target"]
@@ -63,10 +64,10 @@ def check_stages(cfg: Any) -> list[str]:
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise InputError("unknown stage", key="stages", expected=f"a subset of {list(STAGES)}",
-                               actual=unknown)
+                         actual=unknown)
     if len(set(stages)) != len(stages) or stages != sorted(stages, key=STAGES.index):
         raise InputError("stages must be unique and in pipeline order", key="stages",
-                               expected=[s for s in STAGES if s in stages], actual=stages)
+                         expected=[s for s in STAGES if s in stages], actual=stages)
     if "train" not in stages and {"mmlu", "export"} & set(stages) and not cfg.export.from_checkpoint:
         raise InputError(
             "mmlu/export without train need a trained checkpoint", key="export.from_checkpoint",
@@ -99,8 +100,8 @@ def _check_target_parent(target: str, run_dir: str) -> None:
     parent = os.path.dirname(target)
     if parent != run_dir and not os.path.isdir(parent):
         raise InputError("the export target's folder does not exist", key="export.output_dir",
-                               expected=f"an existing directory {parent}", actual="missing",
-                               hint="create it first, or point export.output_dir into an existing folder")
+                         expected=f"an existing directory {parent}", actual="missing",
+                         hint="create it first, or point export.output_dir into an existing folder")
 
 
 # --- parallel layout and model ----------------------------------------------------------------------
@@ -157,12 +158,12 @@ def _check_model_parallel(parallel: Any) -> None:
         _positive(f"parallel.{name}", getattr(parallel, name))
         if getattr(parallel, name) != 1:
             raise InputError("the recipe does not run this kind of parallelism", key=f"parallel.{name}",
-                                   expected=1, actual=getattr(parallel, name),
-                                   hint="plan such a job with `nemo-moe-export plan --tp/--cp/--etp`; torch TP "
-                                        "models export through nemo_moe_export.job.tensor_parallel")
+                             expected=1, actual=getattr(parallel, name),
+                             hint="plan such a job with `nemo-moe-export plan --tp/--cp/--etp`; torch TP "
+                                  "models export through nemo_moe_export.job.tensor_parallel")
     if parallel.sequence_parallel:
         raise InputError("the recipe does not run sequence parallelism", key="parallel.sequence_parallel",
-                               expected=False, actual=True, hint="plan such a job with `nemo-moe-export plan --sp`")
+                         expected=False, actual=True, hint="plan such a job with `nemo-moe-export plan --sp`")
 
 
 def _of_a_stage(parallel: Any) -> str:
@@ -176,7 +177,7 @@ def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
     pp = parallel.pp_size
     if world_size % pp:
         raise InputError("the pipeline size must divide the ranks", key="parallel.pp_size",
-                               expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=pp)
+                         expected=f"a divisor of the {world_size} ranks: {_divisors(world_size)}", actual=pp)
     if pp == 1 and parallel.stages_per_rank == 1 and not parallel.layers_per_stage:
         return world_size
     if model.backend == "megatron_core":  # one model chunk per rank, megatron's first/last-stage split
@@ -185,15 +186,15 @@ def _check_pipeline(parallel: Any, model: Any, world_size: int) -> int:
     split = list(parallel.layers_per_stage or [])
     if split and (len(split) != stages or sum(split) != model.num_layers or min(split) < 1):
         raise InputError("parallel.layers_per_stage does not split the decoder layers", key="parallel.layers_per_stage",
-                               expected=f"{stages} counts >= 1 (pp_size x stages_per_rank) summing to "
-                                        f"model.num_layers={model.num_layers}", actual=split)
+                         expected=f"{stages} counts >= 1 (pp_size x stages_per_rank) summing to "
+                                  f"model.num_layers={model.num_layers}", actual=split)
     if stages > model.num_layers:
         raise InputError("more pipeline stages than decoder layers", key="parallel.pp_size",
-                               expected=f"pp_size x stages_per_rank <= model.num_layers={model.num_layers}",
-                               actual=f"{pp} x {parallel.stages_per_rank} = {stages}")
+                         expected=f"pp_size x stages_per_rank <= model.num_layers={model.num_layers}",
+                         actual=f"{pp} x {parallel.stages_per_rank} = {stages}")
     if parallel.microbatches < 0:
         raise InputError("negative microbatch count", key="parallel.microbatches",
-                               expected=">= 0 (0: twice the stages)", actual=parallel.microbatches)
+                         expected=">= 0 (0: twice the stages)", actual=parallel.microbatches)
     return world_size // pp
 
 
@@ -225,8 +226,8 @@ def _check_microbatches(parallel: Any, trainer: Any, stages: list[str]) -> None:
     microbatches = parallel.microbatches or 2 * parallel.pp_size * parallel.stages_per_rank
     if trainer.batch_size % microbatches:
         raise InputError("the training batch must split into equal microbatches", key="trainer.batch_size",
-                               expected=f"a multiple of {microbatches} microbatches (parallel.microbatches, "
-                                        "0: twice the stages)", actual=trainer.batch_size)
+                         expected=f"a multiple of {microbatches} microbatches (parallel.microbatches, "
+                                  "0: twice the stages)", actual=trainer.batch_size)
 
 
 # --- data and checkpoints --------------------------------------------------------------------------
@@ -243,30 +244,29 @@ def _check_data(cfg: Any, stages: list[str]) -> None:
     if cfg.mmlu.data_path is None:
         if evaluates and task.dataset_format != "mmlu":
             raise InputError(f"task {task.name!r} needs its documents", key="mmlu.data_path",
-                                   expected=f"the folder of {task.name}'s files", actual=None,
-                                   hint="the synthetic corpus the recipe writes is MMLU-shaped")
+                             expected=f"the folder of {task.name}'s files", actual=None,
+                             hint="the synthetic corpus the recipe writes is MMLU-shaped")
         _check_synthetic_data(cfg, stages, evaluates)
         return
+    subjects = list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None
     if task.dataset_format != "mmlu":  # the trainer's data is the synthetic corpus
         _check_synthetic_data(cfg, stages, evaluates=False)
         if evaluates:
-            _load_data(cfg, lambda: load_questions(task, cfg.mmlu.data_path, splits=[cfg.mmlu.split],
-                                                   subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None))
+            _load_data(lambda: load_questions(task, cfg.mmlu.data_path, splits=[cfg.mmlu.split], subjects=subjects))
         return
     splits = ["dev"] + (["train"] if "train" in stages else []) + ([cfg.mmlu.split] if evaluates else [])
-    questions = _load_data(cfg, lambda: load_mmlu(cfg.mmlu.data_path, splits=splits,
-                                                  subjects=list(cfg.mmlu.subjects) if cfg.mmlu.subjects else None))
+    questions = _load_data(lambda: load_mmlu(cfg.mmlu.data_path, splits=splits, subjects=subjects))
     if evaluates:
-        subjects = {q.subject for q in questions if q.split == cfg.mmlu.split}
-        require_dev_examples([q for q in questions if q.split == "dev"], subjects, cfg.mmlu.k_shot)
+        subjects_evaluated = {q.subject for q in questions if q.split == cfg.mmlu.split}
+        require_dev_examples([q for q in questions if q.split == "dev"], subjects_evaluated, cfg.mmlu.k_shot)
 
 
-def _load_data(cfg: Any, load: Any) -> Any:
+def _load_data(load: Callable[[], Any]) -> Any:
     try:
         return load()
     except InputError as exc:  # the loader names the file; say which setting led there
         raise InputError(f"mmlu.data_path: {exc.problem}", key=exc.key, expected=exc.expected,
-                               actual=exc.actual, hint=exc.hint) from exc
+                         actual=exc.actual, hint=exc.hint) from exc
 
 
 def _check_synthetic_data(cfg: Any, stages: list[str], evaluates: bool) -> None:
@@ -274,15 +274,15 @@ def _check_synthetic_data(cfg: Any, stages: list[str], evaluates: bool) -> None:
     unknown = sorted(set(data.subjects or ()) - set(SUBJECTS))
     if unknown:
         raise InputError("unknown synthetic subject", key="data.subjects", expected=f"some of {list(SUBJECTS)}",
-                               actual=unknown, hint="or give your own data with mmlu.data_path")
+                         actual=unknown, hint="or give your own data with mmlu.data_path")
     written = set(data.subjects or SUBJECTS)
     missing = sorted(set(cfg.mmlu.subjects or ()) - written)
     if evaluates and missing:
         raise InputError("MMLU subject(s) not in the synthetic corpus", key="mmlu.subjects",
-                               expected=f"some of {sorted(written)}", actual=missing)
+                         expected=f"some of {sorted(written)}", actual=missing)
     if evaluates and cfg.mmlu.split != "test":
         raise InputError("the synthetic corpus has no such split", key="mmlu.split", expected="'test'",
-                               actual=repr(cfg.mmlu.split), hint="or give your own data with mmlu.data_path")
+                         actual=repr(cfg.mmlu.split), hint="or give your own data with mmlu.data_path")
     _positive("data.n_dev", data.n_dev)
     if "train" in stages:
         _positive("data.n_train", data.n_train)
@@ -290,7 +290,7 @@ def _check_synthetic_data(cfg: Any, stages: list[str], evaluates: bool) -> None:
         _positive("data.n_test", data.n_test)
         if data.n_dev < cfg.mmlu.k_shot:
             raise InputError("fewer dev questions than few-shot examples", key="data.n_dev",
-                                   expected=f">= mmlu.k_shot={cfg.mmlu.k_shot}", actual=data.n_dev)
+                             expected=f">= mmlu.k_shot={cfg.mmlu.k_shot}", actual=data.n_dev)
 
 
 def check_training_checkpoint(path: str, model: Any) -> None:
@@ -332,9 +332,9 @@ def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as exc:  # a truncated or foreign .metadata file
         raise InputError("unreadable training checkpoint metadata", key="export.from_checkpoint",
-                               expected="a torch.distributed.checkpoint .metadata file",
-                               actual=f"{os.path.join(path, CHECKPOINT_METADATA)}: {type(exc).__name__}: {exc}",
-                               ) from exc
+                         expected="a torch.distributed.checkpoint .metadata file",
+                         actual=f"{os.path.join(path, CHECKPOINT_METADATA)}: {type(exc).__name__}: {exc}",
+                         ) from exc
     return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
 
 
@@ -358,7 +358,7 @@ def _positive(key: str, value: Any, *, number: bool = False) -> None:
     kinds = (int, float) if number else (int,)
     if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
         raise InputError("must be positive", key=key, expected="a number > 0" if number else "an integer >= 1",
-                               actual=repr(value))
+                         actual=repr(value))
 
 
 def _divisors(n: int) -> list[int]:

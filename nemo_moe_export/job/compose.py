@@ -66,7 +66,7 @@ def split_recipe_args(argv: list[str]) -> RecipeArgs:
         elif arg == "--config-dir":
             if not args:
                 raise InputError("--config-dir needs a value", key="--config-dir", expected="a directory",
-                                       actual="nothing", hint="write --config-dir DIR")
+                                 actual="nothing", hint="write --config-dir DIR")
             config_dirs.append(args.pop(0))
         elif arg.startswith("--config-dir="):
             config_dirs.append(arg.split("=", 1)[1])
@@ -83,8 +83,8 @@ def parse_nproc(value: str | None) -> int:
         nproc = None
     if nproc is None or nproc < 1:
         raise InputError("--nproc must be a positive integer", key="--nproc", expected="an integer >= 1",
-                               actual="nothing" if value is None else repr(value),
-                               hint="--nproc N starts N local ranks; leave it out under torchrun or srun")
+                         actual="nothing" if value is None else repr(value),
+                         hint="--nproc N starts N local ranks; leave it out under torchrun or srun")
     return nproc
 
 
@@ -120,7 +120,7 @@ def user_config_dirs(cli_dirs: list[str | os.PathLike] | tuple[str | os.PathLike
         path = Path(raw).expanduser().resolve()
         if not path.is_dir():
             raise InputError("config folder not found", key=source, expected="an existing directory",
-                                   actual=repr(raw), hint="create it, or fix the path (relative paths start at the current directory)")
+                             actual=repr(raw), hint="create it, or fix the path (relative paths start at the current directory)")
         if path not in dirs:
             dirs.append(path)
     return dirs

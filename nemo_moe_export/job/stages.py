@@ -48,17 +48,17 @@ from transformers import AutoTokenizer
 from nemo_moe_export.evaluate.callback import MMLUCallback
 from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.scoring import results_to_markdown
-from nemo_moe_export.evaluate.task import Task, load_questions, load_task
+from nemo_moe_export.evaluate.task import Task, load_task
 from nemo_moe_export.export import ExportStep, verify_checkpoint
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.hooks import HookList, RecipeContext
+from nemo_moe_export.job.checks import check_config, check_export_target, export_target
+from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
+from nemo_moe_export.job.trainer import build_sharded_model, train
 from nemo_moe_export.megatron import MegatronCausalLM
 from nemo_moe_export.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
 from nemo_moe_export.parallel import dist_info, init_distributed, resolve_device
 from nemo_moe_export.plugin import AdapterHook
-from nemo_moe_export.job.checks import check_config, check_export_target, export_target
-from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
-from nemo_moe_export.job.trainer import build_sharded_model, train
 
 __all__ = ["CheckedRecipe", "check_recipe", "run_recipe"]
 
@@ -72,9 +72,9 @@ class CheckedRecipe:
     cfg: Any
     stages: list[str]
     run_dir: str
-    mmlu_options: Any  # MMLUOptions: also formats the training prompts (k_shot) when MMLU is off
-    mmlu: Any
-    export: Any
+    mmlu_options: MMLUOptions  # also formats the training prompts (k_shot) when MMLU is off
+    mmlu: MMLUCallback | None
+    export: ExportStep | None
 
 
 def check_recipe(cfg: Any, world_size: int | None = None) -> CheckedRecipe:
@@ -124,13 +124,14 @@ def _training_root(cfg: Any, run_dir: str, task: Task) -> str:
     return cfg.mmlu.data_path if cfg.mmlu.data_path and task.dataset_format == "mmlu" else _synthetic_root(run_dir)
 
 
-def _task_words(task: Task, root: str, split: str) -> str:
-    """The evaluated documents' prompts and choices, for the word-level tokenizer's vocabulary (the
-    synthetic corpus only covers MMLU-format files)."""
-    if task.dataset_format == "mmlu":
+def _task_words(callback: MMLUCallback | None) -> str:
+    """The prompts and choices the callback evaluates, for the word-level tokenizer's vocabulary when
+    its task is not MMLU-format (the tokenizer reads MMLU-format files itself)."""
+    if callback is None or callback.task.dataset_format == "mmlu":
         return ""
+    task = callback.task
     return " ".join(task.context(q, []) + " " + " ".join(task.continuations(q))
-                    for q in load_questions(task, root, splits=[split]))
+                    for split in callback.questions() for q in split)
 
 
 def _setup_logging(run_dir: str, rank: int) -> logging.Logger:
@@ -237,8 +238,7 @@ def _setup(checked: CheckedRecipe, info: Any, log: Any, device: str) -> tuple[An
     if from_checkpoint:
         tokenizer = AutoTokenizer.from_pretrained(os.path.join(from_checkpoint, "tokenizer"))
     else:
-        words = _task_words(task, _data_root(cfg, run_dir), checked.mmlu_options.split) if mmlu_callback else ""
-        tokenizer = build_tokenizer(data_root, extra_text=words)
+        tokenizer = build_tokenizer(data_root, extra_text=_task_words(mmlu_callback))
     model, layout = build_sharded_model(cfg.model, cfg.parallel, vocab_size=len(tokenizer),
                                         pad_token_id=tokenizer.pad_token_id, device=device)
     if from_checkpoint:

@@ -152,5 +152,5 @@ def _check_divides(config: Any, tp: int) -> None:
     for field, value in sizes.items():
         if value % tp:
             raise InputError("the tensor-parallel size must divide the model's heads and vocabulary",
-                                   key=field, expected=f"a multiple of tp={tp}", actual=value,
-                                   hint="choose a TP size that divides the attention and KV heads and the vocabulary")
+                             key=field, expected=f"a multiple of tp={tp}", actual=value,
+                             hint="choose a TP size that divides the attention and KV heads and the vocabulary")

@@ -64,7 +64,7 @@ def check_local_resources(nproc: int, device: str) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device == "cuda" and gpus < nproc:
         raise InputError("not enough GPUs for one per rank", key="--nproc",
-                               expected=f"<= {gpus} (the visible GPUs) with parallel.device=cuda", actual=nproc)
+                         expected=f"<= {gpus} (the visible GPUs) with parallel.device=cuda", actual=nproc)
     if device == "cuda" or (device == "auto" and gpus >= nproc):
         return
     if device == "auto" and gpus:

@@ -36,11 +36,11 @@ from nemo_moe_export.evaluate.prompts import build_prompt, select_fewshot
 from nemo_moe_export.evaluate.runner import wants_uniform_shapes
 from nemo_moe_export.expert_parallel import apply_expert_parallel
 from nemo_moe_export.hooks import Hook, RecipeContext
+from nemo_moe_export.job.checks import check_strategy
+from nemo_moe_export.job.pipelined import shard_pipelined
 from nemo_moe_export.megatron.recipe import build_recipe_model
 from nemo_moe_export.parallel import ParallelLayout, discover_layout, dist_info, init_expert_parallel
 from nemo_moe_export.progress import Progress
-from nemo_moe_export.job.checks import check_strategy
-from nemo_moe_export.job.pipelined import shard_pipelined
 from nemo_moe_export.tiny_models import build_model
 
 __all__ = ["TrainState", "build_model", "build_sharded_model", "shard_model", "train"]
@@ -60,7 +60,7 @@ def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
     ``parallel_state`` shards while it is built (``nemo_moe_export/megatron/recipe.py``)."""
     if model_cfg.backend not in BACKENDS:
         raise InputError("unknown model backend", key="model.backend", expected=BACKENDS,
-                               actual=repr(model_cfg.backend))
+                         actual=repr(model_cfg.backend))
     if model_cfg.backend == "megatron_core":
         return build_recipe_model(model_cfg, parallel_cfg, vocab_size=vocab_size, device=device)
     model = build_model(model_cfg, vocab_size=vocab_size, pad_token_id=pad_token_id, device=device)
@@ -239,7 +239,7 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     """
     if hooks is not None and ctx is None:
         raise InputError("hooks need the context they share", key="ctx",
-                               expected="a RecipeContext (nemo_moe_export.hooks.make_context)", actual=None)
+                         expected="a RecipeContext (nemo_moe_export.hooks.make_context)", actual=None)
     examples = _training_examples(data_root, tokenizer, k_shot)
     if not examples:
         raise InputError("no training questions", key=data_root, expected="train/*_train.csv", actual=0)

@@ -69,7 +69,7 @@ def hf_config_for(gpt_model: Any, family: str, layout: InMemoryFormat, moe_layer
     padding (default: the model's)."""
     if family not in FAMILIES:
         raise InputError("unsupported megatron-core model family", key="family", expected=FAMILIES,
-                               actual=repr(family))
+                         actual=repr(family))
     cfg = gpt_model.config
     _require_common(gpt_model, cfg)
     moe = sorted(moe_layer_ids(gpt_model) if moe_layers is None else moe_layers)
@@ -165,5 +165,5 @@ def _require_common(gpt_model: Any, cfg: Any) -> None:
 def _require(ok: Any, field: str, expected: str, actual: Any) -> None:
     if not ok:
         raise InputError("the megatron-core model has a feature its HF family cannot express",
-                               key=f"megatron.{field}", expected=expected, actual=actual,
-                               hint="see docs/design.md#megatron-core-models for what is mapped")
+                         key=f"megatron.{field}", expected=expected, actual=actual,
+                         hint="see docs/design.md#megatron-core-models for what is mapped")

@@ -78,17 +78,17 @@ class MegatronCausalLM(torch.nn.Module):
         self.layout = layout or discover_layout()
         if self.layout.source != "megatron":
             raise InputError("a megatron-core model needs parallel_state's groups", key="layout",
-                                   expected="the layout discover_layout() reads from parallel_state",
-                                   actual=f"a layout from {self.layout.source}")
+                             expected="the layout discover_layout() reads from parallel_state",
+                             actual=f"a layout from {self.layout.source}")
         if self.layout.pp.size != gpt_model.config.pipeline_model_parallel_size:  # a stage taken for a model
             raise InputError("the layout's pipeline group is not the model's pipeline", key="layout.pp",
-                                   expected=f"{gpt_model.config.pipeline_model_parallel_size} stages "
-                                            "(the model's pipeline_model_parallel_size)",
-                                   actual=f"a pipeline group of {self.layout.pp.size} ranks")
+                             expected=f"{gpt_model.config.pipeline_model_parallel_size} stages "
+                                      "(the model's pipeline_model_parallel_size)",
+                             actual=f"a pipeline group of {self.layout.pp.size} ranks")
         if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(microbatches, int)
                                          or microbatches < 1):
             raise InputError("the pipeline's microbatch count must be a positive integer", key="microbatches",
-                                   expected="an integer >= 1 (None: one per stage)", actual=repr(microbatches))
+                             expected="an integer >= 1 (None: one per stage)", actual=repr(microbatches))
         self.microbatches = microbatches or self.layout.pp.size
         self.vocab_size = _hf_vocab_size(gpt_model, vocab_size)
         self.family = family or infer_family(gpt_model.config)
@@ -180,10 +180,10 @@ class MegatronCausalLM(torch.nn.Module):
         expert_parallel = getattr(self.gpt.config, "expert_model_parallel_size", 1)
         if expert_parallel != self.layout.ep.size:  # experts would be averaged with other experts
             raise InputError("the model's config does not have parallel_state's expert-parallel size",
-                                   key="expert_model_parallel_size",
-                                   expected=f"{self.layout.ep.size} (megatron marks expert weights allreduce=False "
-                                            "only when it is > 1; gradient averaging reads that mark)",
-                                   actual=expert_parallel)
+                             key="expert_model_parallel_size",
+                             expected=f"{self.layout.ep.size} (megatron marks expert weights allreduce=False "
+                                      "only when it is > 1; gradient averaging reads that mark)",
+                             actual=expert_parallel)
         if optimizer is not None:
             optimizer.zero_grad()
         if self.layout.pp.size > 1:
@@ -225,14 +225,14 @@ def check_parallelism() -> None:
 
     if not ps.model_parallel_is_initialized():
         raise InputError("megatron-core's parallel_state is not initialised", key="parallel_state",
-                               expected="parallel_state.initialize_model_parallel(...) before wrapping the model",
-                               actual="not initialised")
+                         expected="parallel_state.initialize_model_parallel(...) before wrapping the model",
+                         actual="not initialised")
     sizes = {"context_parallel": ps.get_context_parallel_world_size(),
              "virtual_pipeline_model_parallel": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
     if any(size != 1 for size in sizes.values()):
         raise InputError("context and virtual-pipeline parallelism are not supported for megatron-core models",
-                               key="parallel_state", expected="CP = virtual PP = 1", actual=sizes,
-                               hint="docs/design.md#tensor-parallelism-megatron-core says what is supported")
+                         key="parallel_state", expected="CP = virtual PP = 1", actual=sizes,
+                         hint="docs/design.md#tensor-parallelism-megatron-core says what is supported")
 
 
 def _etp_group() -> RankGroup:
@@ -248,8 +248,8 @@ def _hf_vocab_size(gpt_model: Any, vocab_size: int | None) -> int:
         return padded
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 0 < vocab_size <= padded:
         raise InputError("the HF vocabulary must fit the model's (padded) vocabulary", key="vocab_size",
-                               expected=f"an integer in 1..{padded} (the GPTModel's vocab_size, padding included)",
-                               actual=repr(vocab_size))
+                         expected=f"an integer in 1..{padded} (the GPTModel's vocab_size, padding included)",
+                         actual=repr(vocab_size))
     return vocab_size
 
 

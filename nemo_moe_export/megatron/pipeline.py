@@ -88,7 +88,7 @@ def pipelined_train_step(gpt: Any, pp: RankGroup, input_ids: torch.Tensor, posit
     rows, length = input_ids.shape
     if count < 1 or rows % count:
         raise InputError("a training batch must split into equal microbatches", key="input_ids",
-                               expected=f"rows a multiple of the model's {count} microbatches", actual=rows)
+                         expected=f"rows a multiple of the model's {count} microbatches", actual=rows)
     size = rows // count
     micro = [TrainingMicrobatch(input_ids[s:s + size], position_ids[s:s + size], mask[s:s + size], labels[s:s + size])
              for s in range(0, rows, size)]
@@ -188,7 +188,7 @@ def _assembled(store: list[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
     logits = torch.cat(store, dim=0).to(dtype)
     if tuple(logits.shape) != shape:  # the peers size their buffer from the batch, as this does
         raise InputError("the last stage's logits do not have the shape the batch gives",
-                               key="logits", expected=shape, actual=tuple(logits.shape))
+                         key="logits", expected=shape, actual=tuple(logits.shape))
     return logits.contiguous()
 
 
@@ -225,7 +225,7 @@ def kept_positions(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tens
     if isinstance(keep, torch.Tensor) and keep.dim() == 2:
         if keep.dtype == torch.bool:
             raise InputError("boolean logits_to_keep masks are not supported", key="logits_to_keep",
-                                   expected="an int or integer positions", actual="a bool mask")
+                             expected="an int or integer positions", actual="a bool mask")
         rows_first = torch.take_along_dim(rows_first, keep[..., None], dim=1)
     else:
         rows_first = rows_first[:, slice(-keep, None) if isinstance(keep, int) else keep, :]

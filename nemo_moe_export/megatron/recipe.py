@@ -71,21 +71,21 @@ def _check(model_cfg: Any, parallel_cfg: Any) -> None:
     """What megatron-core itself would assert, refused first with the config key to change."""
     if model_cfg.family not in FAMILIES:
         raise InputError("no megatron-core layout for this family", key="model.family",
-                               expected=sorted(FAMILIES), actual=repr(model_cfg.family))
+                         expected=sorted(FAMILIES), actual=repr(model_cfg.family))
     if parallel_cfg.strategy != "ep":
         raise InputError("megatron-core models are sharded by parallel_state", key="parallel.strategy",
-                               expected="'ep' (parallel=ep; ep_size=1 for data parallelism only)",
-                               actual=repr(parallel_cfg.strategy))
+                         expected="'ep' (parallel=ep; ep_size=1 for data parallelism only)",
+                         actual=repr(parallel_cfg.strategy))
     check_megatron_pipeline(parallel_cfg, model_cfg)
     world = dist_info().world_size
     if world % parallel_cfg.pp_size:
         raise InputError("the pipeline size must divide the ranks", key="parallel.pp_size",
-                               expected=f"a divisor of the world ({world})", actual=parallel_cfg.pp_size)
+                         expected=f"a divisor of the world ({world})", actual=parallel_cfg.pp_size)
     stage_ranks = world // parallel_cfg.pp_size
     if stage_ranks % parallel_cfg.ep_size or model_cfg.n_experts % parallel_cfg.ep_size:
         raise InputError("megatron-core splits experts into equal EP blocks", key="parallel.ep_size",
-                               expected=f"a divisor of the ranks of a stage ({stage_ranks}) and of model.n_experts "
-                                        f"({model_cfg.n_experts})", actual=parallel_cfg.ep_size)
+                         expected=f"a divisor of the ranks of a stage ({stage_ranks}) and of model.n_experts "
+                                  f"({model_cfg.n_experts})", actual=parallel_cfg.ep_size)
 
 
 def check_megatron_pipeline(parallel_cfg: Any, model_cfg: Any) -> None:
@@ -94,10 +94,10 @@ def check_megatron_pipeline(parallel_cfg: Any, model_cfg: Any) -> None:
     first/last-stage sizes cannot express (:func:`pipeline_split`)."""
     if parallel_cfg.stages_per_rank > 1:
         raise InputError("virtual pipeline stages are not supported for megatron-core models",
-                               key="parallel.stages_per_rank",
-                               expected="1 (MegatronCausalLM wraps one model chunk per pipeline rank)",
-                               actual=parallel_cfg.stages_per_rank,
-                               hint="docs/design.md#pipeline-stages-megatron-core")
+                         key="parallel.stages_per_rank",
+                         expected="1 (MegatronCausalLM wraps one model chunk per pipeline rank)",
+                         actual=parallel_cfg.stages_per_rank,
+                         hint="docs/design.md#pipeline-stages-megatron-core")
     pipeline_split(model_cfg.num_layers, parallel_cfg.pp_size, parallel_cfg.layers_per_stage)
 
 
@@ -117,16 +117,16 @@ def pipeline_split(num_layers: int, pp_size: int, layers_per_stage: Any = None) 
         counts = [base + (i < extra) for i in range(pp_size)]
     if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
         raise InputError("parallel.layers_per_stage does not split the decoder layers",
-                               key="parallel.layers_per_stage",
-                               expected=f"{pp_size} counts >= 1 summing to model.num_layers={num_layers}",
-                               actual=counts)
+                         key="parallel.layers_per_stage",
+                         expected=f"{pp_size} counts >= 1 summing to model.num_layers={num_layers}",
+                         actual=counts)
     if len(set(counts)) == 1:
         return {}
     if len(set(counts[1:-1])) > 1:
         raise InputError("megatron-core cannot split the decoder layers this way",
-                               key="parallel.layers_per_stage",
-                               expected="equal counts on the middle stages (megatron sets the first and last "
-                                        "stages' counts and splits the rest evenly)", actual=counts)
+                         key="parallel.layers_per_stage",
+                         expected="equal counts on the middle stages (megatron sets the first and last "
+                                  "stages' counts and splits the rest evenly)", actual=counts)
     return {"num_layers_in_first_pipeline_stage": counts[0], "num_layers_in_last_pipeline_stage": counts[-1]}
 
 

@@ -49,8 +49,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from nemo_moe_export.adapters import LocalExperts
 from nemo_moe_export.adapters.tables_megatron import GLU_PARTS
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.placement import replica_coordinate
 from nemo_moe_export.parallel import ParallelLayout, RankGroup
+from nemo_moe_export.placement import replica_coordinate
 
 __all__ = ["ReplicaMeshes", "export_view", "gather_local_experts", "global_key", "layer_numbers", "moe_layer_ids",
            "moe_modules", "mtp_layers"]
@@ -129,9 +129,9 @@ def _replica_mesh(replica: RankGroup, shard: RankGroup, device_type: str, names:
     mesh = torch.tensor(rows, dtype=torch.int)
     if mesh.shape != (replica.size, shard.size) or mesh[:, shard.rank].tolist() != list(replica.ranks):
         raise InputError("parallel_state's groups do not form a grid", key=f"{names[0]} x {names[1]}",
-                               expected=f"the {names[1]} groups of the {names[0]} ranks {list(replica.ranks)} "
-                                        f"holding them in column {shard.rank}",
-                               actual=f"rows {rows}", hint="build the groups with parallel_state")
+                         expected=f"the {names[1]} groups of the {names[0]} ranks {list(replica.ranks)} "
+                                  f"holding them in column {shard.rank}",
+                         actual=f"rows {rows}", hint="build the groups with parallel_state")
     return DeviceMesh.from_group([replica.group, shard.group], device_type, mesh=mesh, mesh_dim_names=names)
 
 
@@ -193,16 +193,16 @@ def placed_pieces(key: str, records: dict[str, list[Any]], mesh: DeviceMesh,
     found = records.get(key)
     if found is None:
         raise InputError("megatron's sharded_state_dict() has no record of a tensor", key=key,
-                               expected="a ShardedTensor or a ShardedTensorFactory for every parameter",
-                               actual="none", hint="docs/design.md#tensor-parallelism-megatron-core")
+                         expected="a ShardedTensor or a ShardedTensorFactory for every parameter",
+                         actual="none", hint="docs/design.md#tensor-parallelism-megatron-core")
     if len(found) == 1:
         return [("", _placed(key, found[0], mesh, (found[0].data if data is None else data).detach()))]
     if len(found) == len(GLU_PARTS) and key.endswith("linear_fc1.weight"):
         return [(suffix, _placed(key, _glu_half(key, record, i), mesh, record.data.detach()))
                 for i, (suffix, record) in enumerate(zip(GLU_PARTS, found))]
     raise InputError("a sharded_state_dict() factory the view does not know", key=key,
-                           expected="one ShardedTensor, or the SwiGLU linear_fc1's two pieces",
-                           actual=f"{len(found)} pieces")
+                     expected="one ShardedTensor, or the SwiGLU linear_fc1's two pieces",
+                     actual=f"{len(found)} pieces")
 
 
 @dataclass(frozen=True)
@@ -232,9 +232,9 @@ def _glu_half(key: str, record: Any, index: int) -> _Box:
     row = box.offsets[0] - index * half
     if box.global_shape[0] % 2 or box.fragments[0] % 2 or not 0 <= row < half:
         raise InputError("a GLU factory piece outside its half of linear_fc1", key=key,
-                               expected=f"piece {index} ({GLU_PARTS[index]}) in rows "
-                                        f"[{index * half}, {(index + 1) * half})",
-                               actual=f"row {box.offsets[0]} of {box.global_shape}")
+                         expected=f"piece {index} ({GLU_PARTS[index]}) in rows "
+                                  f"[{index * half}, {(index + 1) * half})",
+                         actual=f"row {box.offsets[0]} of {box.global_shape}")
     return _Box((half, *box.global_shape[1:]), (row, *box.offsets[1:]),
                 (box.fragments[0] // 2, *box.fragments[1:]), box.primary)
 
@@ -249,8 +249,8 @@ def _placed(key: str, record: Any, mesh: DeviceMesh, local: torch.Tensor) -> DTe
     shard_size = mesh.size(1) if mesh.ndim == 2 else 1
     if len(split) > 1 or (split and box.fragments[split[0]] != shard_size):
         raise InputError("a tensor split in a way the view does not place", key=key,
-                               expected=f"at most one dim split into {shard_size} (the tensor-parallel size)",
-                               actual=f"fragments {box.fragments} of {box.global_shape}")
+                         expected=f"at most one dim split into {shard_size} (the tensor-parallel size)",
+                         actual=f"fragments {box.fragments} of {box.global_shape}")
     placements = [Replicate()] + ([Shard(split[0]) if split else Replicate()] if mesh.ndim == 2 else [])
     placed = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(box.global_shape),
                                 stride=_contiguous_stride(box.global_shape))

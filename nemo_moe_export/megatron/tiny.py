@@ -58,7 +58,7 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
 
     if dispatcher not in DISPATCHERS:
         raise InputError("unknown megatron-core token dispatcher", key="model.dispatcher",
-                               expected=DISPATCHERS, actual=repr(dispatcher))
+                         expected=DISPATCHERS, actual=repr(dispatcher))
     common = dict(
         num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=4, ffn_hidden_size=2 * hidden_size,
         num_moe_experts=n_experts, moe_ffn_hidden_size=moe_ffn_hidden_size, moe_router_topk=min(2, n_experts),
@@ -84,7 +84,7 @@ def tiny_transformer_config(family: str, *, n_experts: int = 4, hidden_size: int
         common.update(overrides)
         return TransformerConfig(**common)
     raise InputError("unknown megatron-core tiny family", key="model.family",
-                           expected=["deepseek_v3", "qwen3_moe"], actual=repr(family))
+                     expected=["deepseek_v3", "qwen3_moe"], actual=repr(family))
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int, divisible_by: int = 128) -> int:

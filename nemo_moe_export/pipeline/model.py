@@ -118,19 +118,19 @@ class PipelinedCausalLM(nn.Module):
         match what each part is."""
         if len(self.parts) != len(self.stage_ids) or not self.parts:
             raise InputError("one stage id per stage module", key="ids", expected=len(self.parts),
-                                   actual=len(self.stage_ids))
+                             actual=len(self.stage_ids))
         expected = stage_ids(self.pp_rank, self.pp_size, len(self.parts))
         if list(self.stage_ids) != expected or self.n_stages != self.pp_size * len(self.parts):
             raise InputError("pipeline stages are not this rank's, in loop order", key="ids",
-                                   expected=f"{expected} of {self.pp_size * len(self.parts)} stages",
-                                   actual=f"{list(self.stage_ids)} of {self.n_stages}",
-                                   hint="give rank r of a PP group of p the stages r, r+p, ... (stage_ids())")
+                             expected=f"{expected} of {self.pp_size * len(self.parts)} stages",
+                             actual=f"{list(self.stage_ids)} of {self.n_stages}",
+                             hint="give rank r of a PP group of p the stages r, r+p, ... (stage_ids())")
         for part, sid in zip(self.parts, self.stage_ids):
             info = self.stage_info(part)
             if info.index != sid or info.n_stages != self.n_stages:
                 raise InputError("stage module does not match its stage id", key=f"stage {sid}",
-                                       expected=f"stage {sid} of {self.n_stages}",
-                                       actual=f"stage {info.index} of {info.n_stages}")
+                                 expected=f"stage {sid} of {self.n_stages}",
+                                 actual=f"stage {info.index} of {info.n_stages}")
 
     # --- transformers-style surface ---------------------------------------------------------------
 
@@ -143,7 +143,7 @@ class PipelinedCausalLM(nn.Module):
         every stage the mask, and every rank needs the shapes."""
         if use_cache:
             raise InputError("pipeline stages keep no KV cache", key="use_cache", expected=False,
-                                   actual=True)
+                             actual=True)
         with torch.no_grad():
             return CausalLMOutput(logits=self.reported(lambda: self._forward(input_ids, attention_mask,
                                                                              logits_to_keep)))
@@ -281,8 +281,8 @@ class PipelinedCausalLM(nn.Module):
             return cls(arg, self.n_microbatches, loss_fn=loss_fn)
         except ValueError as exc:
             raise InputError(f"{cls.__name__} cannot run this microbatch count", key="n_microbatches",
-                                   expected="what the schedule accepts", actual=self.n_microbatches,
-                                   hint=str(exc)) from exc
+                             expected="what the schedule accepts", actual=self.n_microbatches,
+                             hint=str(exc)) from exc
 
     def _stage(self, part: nn.Module, sid: int, shape: _Shape) -> Any:
         """A ``PipelineStage`` of ``part`` whose input and output shapes are given, not inferred
@@ -322,8 +322,8 @@ def _row_positions(keep: int | torch.Tensor, rows: int, length: int, device: tor
         return keep.to(device).expand(rows, keep.shape[0])
     if keep.dtype == torch.bool or keep.shape[0] != rows:
         raise InputError("logits_to_keep must be an int or integer positions", key="logits_to_keep",
-                               expected=f"an int, [n] or [{rows}, n] integer positions",
-                               actual=f"{keep.dtype} {tuple(keep.shape)}")
+                         expected=f"an int, [n] or [{rows}, n] integer positions",
+                         actual=f"{keep.dtype} {tuple(keep.shape)}")
     return keep
 
 
@@ -455,7 +455,7 @@ def pipeline_train_step(model: PipelinedCausalLM, input_ids: torch.Tensor, label
     rows, length = input_ids.shape
     if rows % model.n_microbatches:
         raise InputError("a training batch must split into equal microbatches", key="input_ids",
-                               expected=f"rows a multiple of n_microbatches={model.n_microbatches}", actual=rows)
+                         expected=f"rows a multiple of n_microbatches={model.n_microbatches}", actual=rows)
     kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
     model.train()
 

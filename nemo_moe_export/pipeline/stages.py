@@ -73,7 +73,7 @@ def stage_info(stage: nn.Module) -> StageInfo:
     info = getattr(stage, "pipeline_stage", None)
     if not isinstance(info, StageInfo):
         raise InputError("not a pipeline stage", key=type(stage).__name__,
-                               expected="a module returned by split_stages", actual="no pipeline_stage attribute")
+                         expected="a module returned by split_stages", actual="no pipeline_stage attribute")
     return info
 
 
@@ -82,8 +82,8 @@ def stage_ids(pp_rank: int, pp_size: int, stages_per_rank: int = 1) -> list[int]
     ``pp_rank, pp_rank + pp_size, ...`` (``stages_per_rank`` > 1: virtual stages)."""
     if pp_size < 1 or stages_per_rank < 1 or not 0 <= pp_rank < pp_size:
         raise InputError("invalid pipeline position", key="stage_ids",
-                               expected="0 <= pp_rank < pp_size, stages_per_rank >= 1",
-                               actual=f"pp_rank={pp_rank}, pp_size={pp_size}, stages_per_rank={stages_per_rank}")
+                         expected="0 <= pp_rank < pp_size, stages_per_rank >= 1",
+                         actual=f"pp_rank={pp_rank}, pp_size={pp_size}, stages_per_rank={stages_per_rank}")
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
@@ -101,8 +101,8 @@ def split_stages(model: nn.Module, n_stages: int, *, layers_per_stage: Sequence[
     counts = _layer_counts(len(layers), n_stages, layers_per_stage)
     if n_stages > 1 and getattr(model.config, "tie_word_embeddings", False):
         raise InputError("tied input and output embeddings cannot be split over pipeline stages",
-                               key="tie_word_embeddings", expected=False, actual=True,
-                               hint="the first stage holds the embedding, the last lm_head: untie them")
+                         key="tie_word_embeddings", expected=False, actual=True,
+                         hint="the first stage holds the embedding, the last lm_head: untie them")
     stages, start = [], 0
     for index, count in enumerate(counts):
         kept = tuple(range(start, start + count))
@@ -116,23 +116,23 @@ def _require_supported(model: nn.Module) -> None:
     inner = getattr(model, "model", None)
     if model_type not in SUPPORTED_MODEL_TYPES or not isinstance(getattr(inner, "layers", None), nn.ModuleList):
         raise InputError("cannot split this model into pipeline stages", key="model_type",
-                               expected=f"a transformers CausalLM of {list(SUPPORTED_MODEL_TYPES)} "
-                                        "(model.model.layers an nn.ModuleList)",
-                               actual=f"{type(model).__name__} (model_type {model_type!r})",
-                               hint="split the unsplit transformers model, once, before any sharding")
+                         expected=f"a transformers CausalLM of {list(SUPPORTED_MODEL_TYPES)} "
+                                  "(model.model.layers an nn.ModuleList)",
+                         actual=f"{type(model).__name__} (model_type {model_type!r})",
+                         hint="split the unsplit transformers model, once, before any sharding")
 
 
 def _layer_counts(n_layers: int, n_stages: int, layers_per_stage: Sequence[int] | None) -> list[int]:
     if n_stages < 1 or n_stages > n_layers:
         raise InputError("invalid number of pipeline stages", key="n_stages",
-                               expected=f"1 <= n_stages <= {n_layers} (the decoder layers)", actual=n_stages)
+                         expected=f"1 <= n_stages <= {n_layers} (the decoder layers)", actual=n_stages)
     if layers_per_stage is None:
         base, extra = divmod(n_layers, n_stages)
         return [base + (i < extra) for i in range(n_stages)]
     counts = [int(c) for c in layers_per_stage]
     if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 1:
         raise InputError("layers_per_stage does not split the decoder layers", key="layers_per_stage",
-                               expected=f"{n_stages} counts >= 1 summing to {n_layers}", actual=counts)
+                         expected=f"{n_stages} counts >= 1 summing to {n_layers}", actual=counts)
     return counts
 
 
@@ -218,7 +218,7 @@ def kept_positions(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tens
     if isinstance(keep, torch.Tensor) and keep.dim() == 2:
         if keep.dtype == torch.bool:
             raise InputError("boolean logits_to_keep masks are not supported", key="logits_to_keep",
-                                   expected="an int or integer positions", actual="a bool mask")
+                             expected="an int or integer positions", actual="a bool mask")
         return torch.take_along_dim(hidden, keep[..., None], dim=1)
     if isinstance(keep, int):
         return hidden if keep == 0 else hidden[:, -keep:, :]

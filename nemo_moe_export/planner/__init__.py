@@ -28,7 +28,7 @@ def plan_job(target: PlanTarget, world: int, time_model: TimeModel, *, device: s
     mp = model_parallel_of(target.parallel)
     if mmlu is not None and mp.tp * mp.cp > 1:  # TP / CP peers run every batch together: not planned yet
         raise InputError("MMLU is not planned under TP or CP", key="--mmlu", expected="tp_size = cp_size = 1",
-                               actual=f"tp_size={mp.tp}, cp_size={mp.cp}", hint="plan the export alone")
+                         actual=f"tp_size={mp.tp}, cp_size={mp.cp}", hint="plan the export alone")
     meta = meta or build_meta_model(target.config, target.dtype)
     simulation = simulate(meta, target.parallel, world, target.export, device=device)
     mmlu_plan: Any = None

@@ -14,10 +14,10 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from nemo_moe_export.evaluate.batching import plan_steps
 from nemo_moe_export.evaluate.data import load_mmlu
 from nemo_moe_export.evaluate.evaluator import global_batches
 from nemo_moe_export.evaluate.options import MMLUOptions
-from nemo_moe_export.evaluate.batching import plan_steps
 from nemo_moe_export.evaluate.prepare import default_max_length, model_vocab_size, prepare_questions
 from nemo_moe_export.parallel import ParallelLayout, RankGroup, expert_parallel_groups
 

@@ -64,14 +64,14 @@ def hf_config_from_dict(values: Mapping[str, Any]) -> Any:
     model_type = values.pop("model_type", None)
     if not model_type:
         raise InputError("config.json has no model_type", key="model_type", expected="e.g. deepseek_v3",
-                               actual=None)
+                         actual=None)
     for unused in ("architectures", "auto_map", "quantization_config", "transformers_version"):
         values.pop(unused, None)  # the trained model is not quantized; remote code is not needed
     try:
         config = AutoConfig.for_model(architecture(model_type), **values)
     except ValueError as exc:
         raise InputError("transformers does not know this model type", key="model_type",
-                               expected="a model_type transformers can build", actual=model_type) from exc
+                         expected="a model_type transformers can build", actual=model_type) from exc
     config.model_type = model_type
     return config
 
@@ -91,7 +91,7 @@ def from_config_file(path: str | os.PathLike[str], parallel: Any, export: Any) -
         values = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise InputError("cannot read the model's config.json", key=str(path), expected="a JSON file",
-                               actual=f"{type(exc).__name__}: {exc}") from exc
+                         actual=f"{type(exc).__name__}: {exc}") from exc
     config = hf_config_from_dict(values)
     return PlanTarget(path.parent.name or str(path), config, _dtype_of(config), parallel, export)
 
@@ -113,7 +113,7 @@ def _preset_config(cfg: Any, vocab_size: int = 256) -> Any:
     tokenizer's size is only known at run time; 256 stands in)."""
     if cfg.backend != "transformers":
         raise InputError("the planner builds transformers models only", key="model.backend",
-                               expected="transformers", actual=cfg.backend)
+                         expected="transformers", actual=cfg.backend)
     config = tiny_config(architecture(cfg.family), n_experts=cfg.n_experts, hidden_size=cfg.hidden_size,
                          moe_intermediate_size=cfg.moe_intermediate_size, num_layers=cfg.num_layers,
                          vocab_size=vocab_size)

@@ -79,19 +79,19 @@ def check_model_parallel(parallel: Any, stage_ranks: int, where: str) -> None:
             raise InputError("must be positive", key=f"parallel.{name}", expected=">= 1", actual=value)
     if mp.etp != 1:
         raise InputError("expert tensor parallelism is not planned", key="parallel.etp_size", expected=1,
-                               actual=mp.etp, hint="torch TP leaves routed experts whole; the Megatron-Bridge "
-                                                   "recipes run ETP 1")
+                         actual=mp.etp, hint="torch TP leaves routed experts whole; the Megatron-Bridge "
+                                             "recipes run ETP 1")
     if mp.sequence_parallel and mp.tp == 1:
         raise InputError("sequence parallelism needs tensor parallelism", key="parallel.sequence_parallel",
-                               expected="tp_size > 1", actual="tp_size=1", hint="megatron-core refuses SP without TP")
+                         expected="tp_size > 1", actual="tp_size=1", hint="megatron-core refuses SP without TP")
     if mp.tp * mp.cp == 1:
         return
     if parallel.strategy not in MODEL_PARALLEL_STRATEGIES:
         raise InputError("TP and CP are planned with the fsdp and ep layouts only", key="parallel.strategy",
-                               expected=MODEL_PARALLEL_STRATEGIES, actual=parallel.strategy)
+                         expected=MODEL_PARALLEL_STRATEGIES, actual=parallel.strategy)
     if stage_ranks % (mp.tp * mp.cp):
         raise InputError("tp_size x cp_size must divide the ranks" + where, key="parallel.tp_size",
-                               expected=f"a divisor of {stage_ranks}", actual=f"{mp.tp} x {mp.cp}")
+                         expected=f"a divisor of {stage_ranks}", actual=f"{mp.tp} x {mp.cp}")
 
 
 def recorded_placements(meta: Any, parallel: Any, stage_ranks: int, become: Any

@@ -54,9 +54,9 @@ class Pipeline:
         if _LAST.match(key):
             return self.n_stages - 1
         raise InputError("two pipeline stages hold the same tensor", key=key,
-                               expected="a decoder layer's, the embedding's, the final norm's or lm_head's",
-                               actual="a tensor outside them, which every stage keeps",
-                               hint="the export refuses a tensor held by several stages")
+                         expected="a decoder layer's, the embedding's, the final norm's or lm_head's",
+                         actual="a tensor outside them, which every stage keeps",
+                         hint="the export refuses a tensor held by several stages")
 
     def pp_rank_of(self, key: str) -> int:
         return self.stage_of(key) % self.pp_size
@@ -76,16 +76,16 @@ def pipeline_of(parallel: Any, meta: Any) -> Pipeline | None:
     stages_per_rank = int(getattr(parallel, "stages_per_rank", 1) or 1)
     if pp_size < 1 or stages_per_rank < 1:
         raise InputError("invalid pipeline layout", key="parallel.pp_size",
-                               expected="pp_size >= 1 and stages_per_rank >= 1",
-                               actual=f"pp_size={pp_size}, stages_per_rank={stages_per_rank}")
+                         expected="pp_size >= 1 and stages_per_rank >= 1",
+                         actual=f"pp_size={pp_size}, stages_per_rank={stages_per_rank}")
     if pp_size == 1:  # one pipeline rank holds every stage: the export's plain path (no pipeline group)
         return None
     n_stages = pp_size * stages_per_rank
     text = meta.config.get_text_config() if hasattr(meta.config, "get_text_config") else meta.config
     if n_stages > 1 and getattr(text, "tie_word_embeddings", False):
         raise InputError("tied input and output embeddings cannot be split over pipeline stages",
-                               key="tie_word_embeddings", expected=False, actual=True,
-                               hint="the first stage holds the embedding, the last lm_head: untie them")
+                         key="tie_word_embeddings", expected=False, actual=True,
+                         hint="the first stage holds the embedding, the last lm_head: untie them")
     n_layers = int(text.num_hidden_layers)
     counts = _layer_counts(n_layers, n_stages, getattr(parallel, "layers_per_stage", None))
     layers, start = [], 0

@@ -57,13 +57,13 @@ from nemo_moe_export.export.target import export_id_of, new_export_id, write_met
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.export.writer import write_headers
 from nemo_moe_export.export.writer import byte_runs
-from nemo_moe_export.placement import get_ep_expert_range
+from nemo_moe_export.job.checks import check_strategy
 from nemo_moe_export.parallel import RankGroup, expert_parallel_groups
+from nemo_moe_export.placement import get_ep_expert_range
 from nemo_moe_export.planner.model import MetaModel
 from nemo_moe_export.planner.model_parallel import (ModelParallel, check_model_parallel, model_parallel_of,
                                                     recorded_placements)
 from nemo_moe_export.planner.pipeline import Pipeline, pipeline_of
-from nemo_moe_export.job.checks import check_strategy
 
 __all__ = ["RankPlan", "Simulation", "StageWork", "fake_world", "simulate"]
 
@@ -169,8 +169,8 @@ def fake_world() -> Iterator[Any]:
     function that makes this process rank ``r`` of ``W``."""
     if dist.is_initialized():
         raise InputError("the planner needs a process without a process group", key="torch.distributed",
-                               expected="no default process group", actual=f"backend {dist.get_backend()}",
-                               hint="run `nemo-moe-export plan` in its own process, not inside a job")
+                         expected="no default process group", actual=f"backend {dist.get_backend()}",
+                         hint="run `nemo-moe-export plan` in its own process, not inside a job")
 
     def become(rank: int, world: int) -> None:
         if dist.is_initialized():
@@ -299,12 +299,12 @@ def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
     (under pipeline stages, the strategy's sizes divide the ranks of a stage)."""
     if not isinstance(world, int) or world < 1:
         raise InputError("the world size must be a positive integer", key="--world", expected=">= 1",
-                               actual=world)
+                         actual=world)
     check_strategy(parallel)
     pp = _pp_size(parallel)
     if pp < 1 or world % pp:
         raise InputError("the pipeline size must divide the world", key="parallel.pp_size",
-                               expected=f"a divisor of {world}", actual=pp)
+                         expected=f"a divisor of {world}", actual=pp)
     stage = world // pp
     check_strategy(parallel, stage)
     if parallel.strategy in ("ep", "ep_fsdp"):
@@ -507,15 +507,15 @@ class _Expansion:
             missing = [k for k in keys if k not in self.position]
             if missing:
                 raise InputError("a layer group does not map onto the plan", key=missing[0],
-                                       expected="a key of the export plan", actual="not planned",
-                                       hint="the model's layers are not alike where their tensors say they are")
+                                 expected="a key of the export plan", actual="not planned",
+                                 hint="the model's layers are not alike where their tensors say they are")
             self.members[key] = [self.position[k] for k in keys]
             covered[self.members[key]] += 1
             self.rep_of[self.members[key]] = self.position[key]
         if not bool((covered == 1).all()):
             first = list(plan.tensors)[int((covered != 1).nonzero()[0])]
             raise InputError("the layer groups do not cover the plan exactly once", key=first,
-                                   expected="1", actual=int(covered[self.position[first]]))
+                             expected="1", actual=int(covered[self.position[first]]))
         self.planned_at = list(plan.tensors.values())  # by plan position
         self.file_of = [t.file for t in self.planned_at]
         self.scale = len(meta.state_dict) / max(1, len(meta.simulated))  # tensors per simulated tensor

@@ -152,7 +152,7 @@ class TimeModel:
         for name in ("node_bandwidth", "checksum_bandwidth", "network_bandwidth"):
             if not getattr(self, name) > 0:
                 raise InputError("bandwidth must be positive", key=name, expected="> 0 bytes/s",
-                                       actual=getattr(self, name))
+                                 actual=getattr(self, name))
         for name in ("file_op_s", "collective_latency_s", "vector_hop_s", "gather_hop_s", "group_connect_s",
                      "nccl_all_reduce_s"):
             value = getattr(self, name)
@@ -160,7 +160,7 @@ class TimeModel:
                 raise InputError("a time cannot be negative", key=name, expected=">= 0 seconds", actual=value)
         if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise InputError("ranks per node must be a positive integer", key="ranks_per_node",
-                                   expected=">= 1", actual=self.ranks_per_node)
+                             expected=">= 1", actual=self.ranks_per_node)
 
     @property
     def crowding(self) -> float:
