@@ -47,6 +47,9 @@ from output import emit  # noqa: E402  (benchmarks/output.py)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 RECIPE = "deepseek_v3_gpu"
+# Rank 0's compared logits and MMLU scores, saved with --comparisons: agreement of two inexact
+# computations is judged where the reference decides it (tests/test_gpu_pipeline_bench.py).
+COMPARED: dict[str, Any] = {}
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +62,9 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="runs per export method and MMLU policy (median)")
     parser.add_argument("--policies", default="expert_dp,lockstep")
     parser.add_argument("--logits-batch", type=int, default=8)
+    parser.add_argument("--comparisons", default=None,
+                        help="rank 0 saves the compared logits and MMLU scores here (torch.save), for a test "
+                             "to judge agreement where the reference decides it")
     args, overrides = parser.parse_known_args(argv)
     args.overrides = overrides
     return args
@@ -155,6 +161,8 @@ def _check_export(ctx: Any, cfg: Any, logits: tuple[Any, Any, Any], trained_pred
             reloaded_mmlu_same_predictions=f"{same}/{len(trained_predictions)}",
             reloaded_accuracy=reloaded.metrics["overall"]["acc"],
         )
+        COMPARED.update(mask=mask, sharded_logits=sharded.cpu(), bf16_reload_logits=reference.cpu(),
+                        bf16_reload_mmlu_scores=[r["scores"] for r in reloaded.records])
         del loaded
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -223,6 +231,7 @@ def _check_fp8_export(ctx: Any, cfg: Any, logits: tuple[Any, Any, Any],
                    mmlu_same_predictions=f"{same}/{len(trained_predictions)}",
                    mmlu_agreement=same / len(trained_predictions),
                    accuracy={"fp8": evaluated.metrics["overall"]["acc"]})
+        COMPARED.update(fp8_reload_logits=got.cpu(), fp8_reload_mmlu_scores=[r["scores"] for r in evaluated.records])
         del loaded
         shutil.rmtree(path)
         if device.type == "cuda":
@@ -271,6 +280,7 @@ def _time_mmlu(ctx: Any, cfg: Any, policies: list[str], trained_predictions: lis
             runs.append(time.perf_counter() - started)
         seconds = sorted(runs)[len(runs) // 2]
         predictions[policy] = result.predictions
+        COMPARED[f"{policy}_mmlu_scores"] = [r["scores"] for r in result.records]
         out[policy] = dict(seconds=round(seconds, 3), runs_seconds=[round(r, 3) for r in runs],
                            questions=len(result.records), questions_per_s=round(len(result.records) / seconds, 2),
                            steps=result.steps, padding_waste=round(result.padding["waste"], 4),
@@ -301,6 +311,8 @@ def _prefix_agreement(ctx: Any, cfg: Any, test: list[Any], dev: list[Any], coord
                                      policy=cfg.mmlu.policy, coordinator=coordinator, progress=False)
         runs[shared].timing["bench_seconds"] = round(time.perf_counter() - started, 3)
     shared, full = runs[True], runs[False]
+    COMPARED.update(shared_prefix_mmlu_scores=[r["scores"] for r in shared.records],
+                    full_prompts_mmlu_scores=[r["scores"] for r in full.records])
     return dict(k_shot=5, prefix_attention=shared.scoring["prefix_attention"],
                 seconds={"shared_prefix": shared.timing["bench_seconds"], "full_prompts": full.timing["bench_seconds"]},
                 accuracy={"shared_prefix": shared.metrics["overall"]["acc"], "full_prompts": full.metrics["overall"]["acc"]},
@@ -333,6 +345,10 @@ def _measure(ctx: Any, cfg: Any, args: argparse.Namespace) -> None:
         shard_size=cfg.export.max_shard_size, writer_threads=tuple(int(t) for t in args.writer_threads.split(",")), raw_threads=(1, 4)))
     bench["export"] = summarize(ranks)
     ctx.results["measurements"] = bench
+    if args.comparisons and dist.get_rank() == 0:
+        import torch
+
+        torch.save({**COMPARED, "trained_predictions": trained_predictions, "policies": policies}, args.comparisons)
 
 
 def _rank_main(args: argparse.Namespace) -> None:
@@ -361,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="nme-gpu-bench-")
     forwarded = [f"--run-dir={run_dir}", f"--methods={args.methods}", f"--repeat={args.repeat}",
                  f"--policies={args.policies}", f"--logits-batch={args.logits_batch}",
-                 f"--writer-threads={args.writer_threads}", *args.overrides]
+                 f"--writer-threads={args.writer_threads}",
+                 *([f"--comparisons={os.path.abspath(args.comparisons)}"] if args.comparisons else []), *args.overrides]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            os.path.abspath(__file__), *forwarded]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4"),

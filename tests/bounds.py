@@ -21,6 +21,7 @@ the same inputs); this module is for the rest.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -62,7 +63,8 @@ class Judgement:
     smallest_decided_gap: float = math.inf
 
     def line(self, bound: Bound) -> str:
-        return (f"{self.what}: {self.decided}/{self.total} decided beyond 2 x {bound.value:.3g} "
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("::", 1)[-1]
+        return (f"{test}: {self.what}: {self.decided}/{self.total} decided beyond 2 x {bound.value:.3g} "
                 f"({bound.source}), {len(self.disagreeing)} disagree")
 
 
