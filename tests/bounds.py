@@ -30,8 +30,19 @@ import torch
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: one bf16 rounding is within half of this, relative
 FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
+# fp32 forwards of the same weights in another order (sharded or pipelined vs one process, tensor-
+# parallel partial sums, megatron-core vs transformers, another batch composition or CPU): the
+# tiny models' logits are below 4 in magnitude (fp32 ulp <= 4.8e-7) and their MMLU / ARC
+# log-likelihoods below 32 (ulp <= 3.8e-6). Bounds of tens of ulps, an order of magnitude over the
+# worst measured (the run's summary lists each figure).
+FP32_LOGITS = Bound(1e-5, "fp32 logits (|logit| < 4) in another summation order: ~20 ulps; "
+                          "measured <= 1.5e-6 on AMD EPYC")
+FP32_SCORES = Bound(1e-4, "fp32 log-likelihoods (|score| < 32) in another summation order: ~25 ulps; "
+                          "measured <= 2.3e-5 on AMD EPYC")
+
 # What the run judged, for the terminal summary (conftest.py prints it): one line per comparison.
 JUDGED: list[str] = []
+MEASURED: list[str] = []  # each check_close's figure, likewise
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,8 @@ def max_abs_diff(got: Any, want: Any) -> float:
 def check_close(got: Any, want: Any, bound: Bound, what: str) -> float:
     """Asserts max |got - want| <= bound; returns the measured figure."""
     measured = max_abs_diff(got, want)
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("::", 1)[-1]
+    MEASURED.append(f"{test}: {what}: max |difference| {measured:.3g} <= {bound.value:.3g}")
     assert measured <= bound.value, (f"{what}: max |difference| {measured:.3g} exceeds the bound "
                                      f"{bound.value:.3g} ({bound.source})")
     return measured

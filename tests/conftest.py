@@ -8,9 +8,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_terminal_summary(terminalreporter):
     """Each comparison of choices judged where the reference decides them (tests/bounds.py): how
     many positions it could judge, so a reader sees that none passed by judging nothing."""
-    from bounds import JUDGED
+    from bounds import JUDGED, MEASURED
 
-    if JUDGED:
-        terminalreporter.section("choices judged beyond their bounds")
-        for line in JUDGED:
-            terminalreporter.write_line(line)
+    for title, lines in (("inexact results within their bounds", MEASURED),
+                         ("choices judged beyond their bounds", JUDGED)):
+        if lines:
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)
