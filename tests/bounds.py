@@ -30,19 +30,33 @@ import torch
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: one bf16 rounding is within half of this, relative
 FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
-# fp32 forwards of the same weights in another order (sharded or pipelined vs one process, tensor-
-# parallel partial sums, megatron-core vs transformers, another batch composition or CPU): the
-# tiny models' logits are below 4 in magnitude (fp32 ulp <= 4.8e-7) and their MMLU / ARC
-# log-likelihoods below 32 (ulp <= 3.8e-6). Bounds of tens of ulps, an order of magnitude over the
-# worst measured (the run's summary lists each figure).
-FP32_LOGITS = Bound(1e-5, "fp32 logits (|logit| < 4) in another summation order: ~20 ulps; "
-                          "measured <= 1.5e-6 on AMD EPYC")
-FP32_SCORES = Bound(1e-4, "fp32 log-likelihoods (|score| < 32) in another summation order: ~25 ulps; "
-                          "measured <= 2.3e-5 on AMD EPYC")
+# What the run judged and measured, for the terminal summary (conftest.py prints it): per test,
+# (what, decided, total, bound) of each comparison of choices and (what, measured, bound) of each
+# check_close.
+JUDGED: dict[str, list[tuple[str, int, int, "Bound"]]] = {}
+MEASURED: dict[str, list[tuple[str, float, "Bound"]]] = {}
 
-# What the run judged, for the terminal summary (conftest.py prints it): one line per comparison.
-JUDGED: list[str] = []
-MEASURED: list[str] = []  # each check_close's figure, likewise
+
+def _current_test() -> str:
+    return os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+
+
+def summary_lines() -> list[str]:
+    """One line per test: how many comparisons, the fewest positions any of them could judge, the
+    worst measured difference against its bound; then each bound's source, once."""
+    lines, sources = [], {}
+    for test in sorted(set(JUDGED) | set(MEASURED)):
+        parts = []
+        if test in MEASURED:
+            what, measured, bound = max(MEASURED[test], key=lambda m: m[1] / m[2].value)
+            parts.append(f"{len(MEASURED[test])} within bounds, worst {measured:.3g} <= {bound.value:.3g}")
+            sources.update({m[2].source: None for m in MEASURED[test]})
+        if test in JUDGED:
+            what, decided, total, bound = min(JUDGED[test], key=lambda j: j[1] / j[2])
+            parts.append(f"{len(JUDGED[test])} judged, fewest decided {decided}/{total} ({what})")
+            sources.update({j[3].source: None for j in JUDGED[test]})
+        lines.append(f"{test}: " + "; ".join(parts))
+    return lines + ["bounds:"] + [f"  {source}" for source in sources]
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,17 @@ class Bound:
         return Bound(self.value * scale, f"{self.source}; x {scale:.3g} ({why})")
 
 
+# fp32 forwards of the same weights in another order (sharded or pipelined vs one process, tensor-
+# parallel partial sums, megatron-core vs transformers, another batch composition or CPU): the
+# tiny models' logits are below 4 in magnitude (fp32 ulp <= 4.8e-7) and their MMLU / ARC
+# log-likelihoods below 32 (ulp <= 3.8e-6). Bounds of tens of ulps, an order of magnitude over the
+# worst measured (the run's summary lists each figure).
+FP32_LOGITS = Bound(1e-5, "fp32 logits (|logit| < 4) in another summation order: ~20 ulps; "
+                          "measured <= 1.5e-6 on AMD EPYC")
+FP32_SCORES = Bound(1e-4, "fp32 log-likelihoods (|score| < 32) in another summation order: ~25 ulps; "
+                          "measured <= 2.3e-5 on AMD EPYC")
+
+
 @dataclass
 class Judgement:
     """What one comparison of choices could judge."""
@@ -73,10 +98,6 @@ class Judgement:
     disagreeing: list[int] = field(default_factory=list)
     smallest_decided_gap: float = math.inf
 
-    def line(self, bound: Bound) -> str:
-        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("::", 1)[-1]
-        return (f"{test}: {self.what}: {self.decided}/{self.total} decided beyond 2 x {bound.value:.3g} "
-                f"({bound.source}), {len(self.disagreeing)} disagree")
 
 
 def as_scores(values: Any) -> torch.Tensor:
@@ -103,8 +124,7 @@ def max_abs_diff(got: Any, want: Any) -> float:
 def check_close(got: Any, want: Any, bound: Bound, what: str) -> float:
     """Asserts max |got - want| <= bound; returns the measured figure."""
     measured = max_abs_diff(got, want)
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0].split("::", 1)[-1]
-    MEASURED.append(f"{test}: {what}: max |difference| {measured:.3g} <= {bound.value:.3g}")
+    MEASURED.setdefault(_current_test(), []).append((what, measured, bound))
     assert measured <= bound.value, (f"{what}: max |difference| {measured:.3g} exceeds the bound "
                                      f"{bound.value:.3g} ({bound.source})")
     return measured
@@ -141,7 +161,7 @@ def judge_choices(reference: Any, got: Any, bound: Bound, what: str, *, min_deci
     judgement = Judgement(what, total=int(keep.sum()), decided=int(decided.sum()),
                           disagreeing=wrong.nonzero().flatten().tolist(),
                           smallest_decided_gap=float(gap[decided].min()) if bool(decided.any()) else math.inf)
-    JUDGED.append(judgement.line(bound))
+    JUDGED.setdefault(_current_test(), []).append((what, judgement.decided, judgement.total, bound))
     assert judgement.total > 0, f"{what}: no positions to judge"
     assert not judgement.disagreeing, (
         f"{what}: choices differ at {len(judgement.disagreeing)} decided positions "

@@ -6,13 +6,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Each comparison of choices judged where the reference decides them (tests/bounds.py): how
-    many positions it could judge, so a reader sees that none passed by judging nothing."""
-    from bounds import JUDGED, MEASURED
+    """Inexact comparisons (tests/bounds.py): per test, the worst difference against its bound and
+    how many positions its comparisons of choices could judge, so none passes by judging nothing."""
+    from bounds import summary_lines
 
-    for title, lines in (("inexact results within their bounds", MEASURED),
-                         ("choices judged beyond their bounds", JUDGED)):
-        if lines:
-            terminalreporter.section(title)
-            for line in lines:
-                terminalreporter.write_line(line)
+    lines = summary_lines()
+    if len(lines) > 1:
+        terminalreporter.section("inexact results: bounds and judged positions")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -24,6 +24,7 @@ import time
 import pytest
 import torch
 
+from bounds import FP32_SCORES, check_close, judge_choices, judge_predictions
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.spawn import spawn
 
@@ -38,7 +39,7 @@ TOKENIZER_VOCAB = 400
 # initializer_range 0.5: a random model whose answers depend on the question (at the default 0.02
 # every question gets the same letter and the comparisons below would be vacuous).
 MODEL_KW = dict(n_experts=8, num_layers=3, vocab_size=416, seed=0, initializer_range=0.5)
-SCORE_ATOL = 1e-4
+SCORE_ATOL = FP32_SCORES.value  # fp32 log-likelihoods in another order (tests/bounds.py)
 STALL_TIMEOUT_S = 3.0
 FULL_PROMPTS = dict(tokens_per_batch=0, shared_prefix=False)  # fixed batches of BATCH rows, no cache
 # shared prefixes (packed: the tokens a forward feeds), several units and suffix batches per unit
@@ -348,10 +349,13 @@ def distributed(inputs):
 
 
 def _assert_same_answers(got: dict, want: dict, where: str) -> None:
-    assert got["pred"] == want["pred"], f"{where}: predictions differ from the single-process run"
-    worst = max(abs(a - b) for ga, wa in zip(got["scores"], want["scores"]) for a, b in zip(ga, wa))
-    assert worst <= SCORE_ATOL, f"{where}: scores differ by {worst}"
-    assert got["metrics"] == want["metrics"], where
+    """fp32 in another order (batching, sharding, prefixes): scores within the bound, the same
+    answer wherever the reference decides it beyond the bound, and the metrics equal when every
+    answer is (a near-tie answered otherwise moves its subject's accuracy by one question)."""
+    check_close(got["scores"], want["scores"], FP32_SCORES, where)
+    judge_choices(want["scores"], got["scores"], FP32_SCORES, where)
+    if got["pred"] == want["pred"]:
+        assert got["metrics"] == want["metrics"], where
 
 
 def test_reference_is_a_real_signal(reference):
@@ -400,13 +404,15 @@ def test_predictions_match_a_direct_forward(inputs, reference):
     tok, model = _tokenizer(inputs), build_model().eval()
     test, dev = load_split_data(inputs["data"])
     letters = [tok.convert_tokens_to_ids(f"Ġ{x}") for x in "ABCD"]
-    for i, q in enumerate(test[:12]):
+    direct = []
+    for q in test[:12]:
         prompt = build_prompt(q, select_fewshot(dev, K_SHOT, q))
         ids = torch.tensor([encode_request(tok, prompt).context])
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0, -1], -1)[letters]
-        assert "ABCD"[int(logp.argmax())] == reference["single"]["pred"][i], i
-        assert logp.tolist() == pytest.approx(reference["single"]["scores"][i], abs=SCORE_ATOL)
+        direct.append(logp.tolist())
+    check_close(direct, reference["single"]["scores"][:12], FP32_SCORES, "direct forward vs the evaluator")
+    judge_choices(direct, reference["single"]["scores"][:12], FP32_SCORES, "direct forward vs the evaluator")
 
 
 def test_one_position_list_per_batch_equals_per_row_positions(inputs, reference, monkeypatch):
@@ -421,10 +427,7 @@ def test_one_position_list_per_batch_equals_per_row_positions(inputs, reference,
     for mode in (FULL_PROMPTS, SHARED):
         result = evaluate_mmlu(build_model(), _tokenizer(inputs), test, dev, k_shot=K_SHOT, batch_size=BATCH,
                                progress=False, **mode)
-        got = summary(result)
-        assert got["pred"] == reference["single"]["pred"]
-        for mine, theirs in zip(got["scores"], reference["single"]["scores"]):
-            assert mine == pytest.approx(theirs, abs=SCORE_ATOL)
+        _assert_same_answers(summary(result), reference["single"], f"one position list per batch {mode}")
 
 
 def test_truncation_cuts_from_the_left_and_is_reported(inputs):
@@ -437,10 +440,11 @@ def test_truncation_cuts_from_the_left_and_is_reported(inputs):
     unbatched = evaluate_mmlu(model, tok, test[:8], dev, k_shot=K_SHOT, batch_size=1, max_length=48, progress=False,
                               **FULL_PROMPTS)
     assert short.scoring["truncated_questions"] == 8 and short.padding["fed_tokens"] <= 8 * 48
-    assert short.predictions == unbatched.predictions
+    unbatched_scores = [r["scores"] for r in unbatched.records]
+    judge_choices(unbatched_scores, [r["scores"] for r in short.records], FP32_SCORES, "cut rows, batch 4 vs 1")
     default = evaluate_mmlu(model, tok, test[:8], dev, k_shot=K_SHOT, max_length=48, progress=False)
     assert default.scoring["shared_prefix_rows"] == 0, "cut rows must keep their full prompts"
-    assert default.predictions == unbatched.predictions
+    judge_choices(unbatched_scores, [r["scores"] for r in default.records], FP32_SCORES, "cut rows, default vs 1")
 
 
 @pytest.mark.parametrize("case", ["missing_dir", "malformed_csv", "unknown_subject", "k_too_large",
@@ -603,16 +607,18 @@ def test_callback_writes_results(distributed, reference):
         during, final, at_end = (results["callback"][k] for k in ("during", "final", "final_flat"))
         assert [r["step"] for r in during] == [2], "with every_n_steps=2, steps 1 and 3 are not evaluated"
         at_two = {k: v for k, v in during[0].items() if k != "step"}
-        assert at_two["mmlu/acc"] == pytest.approx(reference["single"]["metrics"]["overall"]["acc"])
         accuracy = {k: v for k, v in at_two.items() if k.endswith("/acc")}
         assert {k: at_end[k] for k in accuracy} == accuracy and len(accuracy) == 5
-        assert final == reference["single"]["metrics"], f"rank {rank}: ctx.results['mmlu']"
-        assert results["callback_pred"] == reference["single"]["pred"]
+        judge_predictions(reference["single"]["scores"], results["callback_pred"], FP32_SCORES,
+                          f"callback rank {rank} vs single process")
+        if results["callback_pred"] == reference["single"]["pred"]:  # metrics follow the answers
+            assert at_two["mmlu/acc"] == pytest.approx(reference["single"]["metrics"]["overall"]["acc"])
+            assert final == reference["single"]["metrics"], f"rank {rank}: ctx.results['mmlu']"
     payload = json.loads(open(os.path.join(out_dir, "mmlu_results.json")).read())
     assert payload["step"] == 3 and payload["policy"] == "lockstep"
-    assert payload["results"] == reference["single"]["metrics"]
+    assert payload["results"] == per_rank[0]["callback"]["final"]
     assert set(payload["results"]["categories"]) == {"stem", "humanities", "social_sciences", "other"}
-    assert [p["pred"] for p in payload["predictions"]] == reference["single"]["pred"]
+    assert [p["pred"] for p in payload["predictions"]] == per_rank[0]["callback_pred"]
     assert payload["layout"]["ep"]["size"] == 2 and payload["layout"]["dp"]["size"] == WORLD
     # the callback runs the default mode: here one unit, all suffixes (1-30 words) in one batch
     assert payload["timing"]["questions_per_s"] > 0 and 0 <= payload["padding"]["waste"] <= 0.5
