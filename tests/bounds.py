@@ -117,7 +117,7 @@ def max_abs_diff(got: Any, want: Any) -> float:
     got, want = as_scores(got), as_scores(want)
     if got.shape != want.shape:
         raise AssertionError(f"shapes differ: {tuple(got.shape)} vs {tuple(want.shape)}")
-    diff = (got - want).abs()
+    diff = (got - want).abs().masked_fill(got == want, 0.0)  # ragged rows' -inf padding on both sides
     return math.inf if bool(torch.isnan(diff).any()) else float(diff.max()) if diff.numel() else 0.0
 
 
@@ -134,6 +134,8 @@ def _chosen(got: Any, shape: torch.Size) -> torch.Tensor:
     """The chosen index per position: ``got`` is scores of the reference's shape, or indices."""
     if isinstance(got, torch.Tensor) and got.shape == shape:
         return got.argmax(-1).cpu()
+    if not isinstance(got, torch.Tensor) and got and isinstance(got[0], (list, tuple)):
+        got = as_scores(got)  # per-choice scores, maybe ragged
     got_t = torch.as_tensor(got)
     if got_t.shape == shape:
         return got_t.to(torch.float64).argmax(-1)
