@@ -24,7 +24,7 @@ import time
 import pytest
 import torch
 
-from bounds import FP32_SCORES, check_close, judge_choices, judge_predictions
+from bounds import FP32_SCORES, check_close, judge_answers, judge_choices, judge_predictions
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.spawn import spawn
 
@@ -39,7 +39,6 @@ TOKENIZER_VOCAB = 400
 # initializer_range 0.5: a random model whose answers depend on the question (at the default 0.02
 # every question gets the same letter and the comparisons below would be vacuous).
 MODEL_KW = dict(n_experts=8, num_layers=3, vocab_size=416, seed=0, initializer_range=0.5)
-SCORE_ATOL = FP32_SCORES.value  # fp32 log-likelihoods in another order (tests/bounds.py)
 STALL_TIMEOUT_S = 3.0
 FULL_PROMPTS = dict(tokens_per_batch=0, shared_prefix=False)  # fixed batches of BATCH rows, no cache
 # shared prefixes (packed: the tokens a forward feeds), several units and suffix batches per unit
@@ -348,16 +347,6 @@ def distributed(inputs):
 # --------------------------------------------------------------------------------------------------
 
 
-def _assert_same_answers(got: dict, want: dict, where: str) -> None:
-    """fp32 in another order (batching, sharding, prefixes): scores within the bound, the same
-    answer wherever the reference decides it beyond the bound, and the metrics equal when every
-    answer is (a near-tie answered otherwise moves its subject's accuracy by one question)."""
-    check_close(got["scores"], want["scores"], FP32_SCORES, where)
-    judge_choices(want["scores"], got["scores"], FP32_SCORES, where)
-    if got["pred"] == want["pred"]:
-        assert got["metrics"] == want["metrics"], where
-
-
 def test_reference_is_a_real_signal(reference):
     """Guards the equivalence tests: predictions vary, both scoring paths ran, nothing was cut."""
     single, split = reference["single"], reference["split"]
@@ -379,7 +368,7 @@ def test_shared_prefix_equals_full_prompts(reference, mode, want):
     assert got["scoring"]["shared_prefix_rows"] == got["scoring"]["rows"]
     assert got["padding"]["prefix_forwards"] >= 1 and got["padding"]["real_tokens"] < reference[want]["padding"][
         "real_tokens"] * 0.6, "the prefix was not shared"
-    _assert_same_answers(got, reference[want], f"{mode} vs full prompts")
+    judge_answers(got, reference[want], f"{mode} vs full prompts")
     if mode != "default":
         assert got["scoring"]["prefix_batches"] >= 3 and got["scoring"]["batches"] >= 2 * got["scoring"][
             "prefix_batches"], got["scoring"]
@@ -388,12 +377,12 @@ def test_shared_prefix_equals_full_prompts(reference, mode, want):
 def test_padded_batches_equal_unpadded(reference):
     batched = reference["single_batched"]
     assert batched["padding"]["padded_tokens"] > 0, "no padding happened; the test would prove nothing"
-    _assert_same_answers(batched, reference["single"], "batch size 4 vs 1")
+    judge_answers(batched, reference["single"], "batch size 4 vs 1")
 
 
 def test_single_token_path_equals_full_continuation_loglikelihood(reference):
     # " A".." D" are single tokens: the four logits at the last position are lm-eval's loglikelihoods.
-    _assert_same_answers(reference["full"], reference["single"], "full vs single-token scoring")
+    judge_answers(reference["full"], reference["single"], "full vs single-token scoring")
 
 
 def test_predictions_match_a_direct_forward(inputs, reference):
@@ -427,7 +416,7 @@ def test_one_position_list_per_batch_equals_per_row_positions(inputs, reference,
     for mode in (FULL_PROMPTS, SHARED):
         result = evaluate_mmlu(build_model(), _tokenizer(inputs), test, dev, k_shot=K_SHOT, batch_size=BATCH,
                                progress=False, **mode)
-        _assert_same_answers(summary(result), reference["single"], f"one position list per batch {mode}")
+        judge_answers(summary(result), reference["single"], f"one position list per batch {mode}")
 
 
 def test_truncation_cuts_from_the_left_and_is_reported(inputs):
@@ -533,7 +522,7 @@ RUNS = [("ep2", "lockstep"), ("ep2", "expert_dp"), ("ep4", "lockstep"), ("ep4", 
 def test_distributed_predictions_equal_single_process(run, distributed, reference):
     per_rank, _ = distributed
     for rank, results in enumerate(per_rank):
-        _assert_same_answers(results[run], reference["single"], f"{run} rank {rank}")
+        judge_answers(results[run], reference["single"], f"{run} rank {rank}")
 
 
 def test_full_continuation_path_distributed(distributed, reference):
@@ -542,7 +531,7 @@ def test_full_continuation_path_distributed(distributed, reference):
         for run in ("ep2-full", "ep2-shared-full"):
             got = results[(run, "lockstep")]
             assert got["scoring"]["full_questions"] == N_QUESTIONS
-            _assert_same_answers(got, reference["split"], f"{run} rank {rank}")
+            judge_answers(got, reference["split"], f"{run} rank {rank}")
 
 
 def test_prefix_forwards_are_steps_like_any_other(distributed):

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from nemo_moe_export.spawn import spawn
+from bounds import FP32_LOGITS, Bound, check_figure, judge_answers, relative_error
 from test_mmlu_eval import K_SHOT, FailAtForward, load_split_data, write_mmlu_inputs
 
 WORLD = 4
@@ -35,9 +36,10 @@ SUBJECTS = {"abstract_algebra": 5, "philosophy": 5, "sociology": 6, "virology": 
 BATCH = 4
 # initializer_range 0.5: answers depend on the question (see test_mmlu_eval); 4 layers for 4 stages.
 MODEL_KW = dict(n_experts=8, num_layers=4, vocab_size=416, seed=0, initializer_range=0.5)
-LOGITS_ATOL = 1e-5
-SCORE_ATOL = 1e-4
-GRAD_ATOL = 1e-5
+# fp32 loss and gradients of the stages against the unsplit model: the microbatches' losses and
+# gradients are summed in another order (a few ulps of values below 1).
+GRADS = Bound(1e-5, "fp32 loss and gradients (absolute) summed over microbatches in another order; measured "
+                    "<= 1.9e-6 on AMD EPYC")
 PP_TIMEOUT_S = 60.0  # the healthy cases' pipeline groups
 FAULT_TIMEOUT_S = 3.0  # the fault cases' pipeline groups: how long a blocked receive waits
 MMLU_OPTS = dict(k_shot=K_SHOT, batch_size=BATCH, tokens_per_batch=0, progress=False)  # shared_prefix: default (on)
@@ -122,7 +124,7 @@ def _pipelined(case: Case, mesh, layout):
 
 
 def _logit_errors(model, reference, pipeline_index: int) -> dict[str, float]:
-    """Max |pipeline - unsplit| on batches of this pipeline's own (pipelines differ, so EP and
+    """Max |pipeline - unsplit| (of the largest |logit|) on batches of this pipeline's own (pipelines differ, so EP and
     FSDP peers inside a stage see different tokens): 3 rows (< 4 microbatches), padded, all
     logits; 5 rows, each row's own kept positions; 1 row, the last position."""
     errors = {}
@@ -134,7 +136,7 @@ def _logit_errors(model, reference, pipeline_index: int) -> dict[str, float]:
             got = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep_arg).logits
             full = reference(input_ids=ids, attention_mask=mask).logits
         want = torch.take_along_dim(full, positions[..., None], dim=1) if keep == "per_row" else full[:, -keep:]
-        errors[label] = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+        errors[label] = relative_error(got, want)
     return errors
 
 
@@ -393,8 +395,8 @@ def test_reference_is_a_real_signal(reference):
 @pytest.mark.parametrize("case", list(CASES))
 def test_pipeline_logits_equal_the_unsplit_model(ranks, case):
     for rank, results in enumerate(ranks):
-        errors = results[case]["logits"]
-        assert max(errors.values()) <= LOGITS_ATOL, f"{case} rank {rank}: {errors}"
+        for name, error in results[case]["logits"].items():
+            check_figure(error, FP32_LOGITS, f"{case} rank {rank} {name}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -402,10 +404,7 @@ def test_pipeline_logits_equal_the_unsplit_model(ranks, case):
 def test_mmlu_under_pp_equals_single_process(ranks, reference, case, policy):
     for rank, results in enumerate(ranks):
         got = results[case]["mmlu"][policy]
-        assert got["pred"] == reference["pred"], f"{case} {policy} rank {rank}: predictions differ"
-        worst = max(abs(a - b) for ga, wa in zip(got["scores"], reference["scores"]) for a, b in zip(ga, wa))
-        assert worst <= SCORE_ATOL, f"{case} {policy} rank {rank}: scores differ by {worst}"
-        assert got["metrics"] == reference["metrics"]
+        judge_answers(got, reference, f"{case} {policy} rank {rank}")
         assert got["scoring"]["shared_prefix"].startswith("off: PipelinedCausalLM: pipeline stages keep no KV cache")
         assert got["scoring"]["shared_prefixes"] == 0
 
@@ -432,7 +431,8 @@ def test_training_step_loss_and_gradients_equal_the_unsplit_model(ranks):
         for case in CASES:
             errors = results[case]["train"]
             assert errors["params"] > 0
-            assert errors["loss"] <= GRAD_ATOL and errors["grad"] <= GRAD_ATOL, f"{case} rank {rank}: {errors}"
+            check_figure(errors["loss"], GRADS, f"{case} rank {rank} loss")
+            check_figure(errors["grad"], GRADS, f"{case} rank {rank} gradients")
 
 
 def test_state_dicts_of_a_pipeline_union_to_the_model(ranks):
