@@ -382,7 +382,8 @@ def _mmlu_report(rank0: dict[str, Any], world: int, args: argparse.Namespace) ->
     agree = {name: {k: v for k, v in agreement(scores[name], scores[reference]).items() if k != "disagreements"}
              for name in scores if name != reference}
     out["predictions"] = {"reference": reference, "questions": work["questions"], "variants": agree,
-                          "all_equal": all(a["same_predictions"] == a["questions"] for a in agree.values())}
+                          "all_equal": all(a["same_predictions"] == a["questions"] for a in agree.values()),
+                          "scores": scores}  # per variant and question: agreement is judged on these
     return out
 
 

@@ -214,3 +214,14 @@ def judge_answers(got: dict, want: dict, where: str, bound: Bound = FP32_SCORES)
     if "metrics" in got and got.get("pred") == want.get("pred"):
         assert got["metrics"] == want["metrics"], where
     return judgement
+
+
+def assert_reload_agrees(verify: dict) -> None:
+    """The recipe's verify stage: the reload's answers agree with the trained model's
+    (``evaluate/agreement.py``), and most questions were decided, so it judged something."""
+    answers = verify.get("answers")
+    assert verify["ok"] and answers and answers["ok"], verify
+    assert answers["decided"] >= answers["questions"] / 2, answers
+    JUDGED.setdefault(_current_test(), []).append(
+        ("the recipe's reload", answers["decided"], answers["questions"],
+         Bound(answers["tolerance"], f"evaluate/agreement.py ANSWER_RTOL[{answers['dtype']}] of the largest |score|")))

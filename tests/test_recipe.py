@@ -11,6 +11,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from safetensors.torch import load_file
 
+from bounds import assert_reload_agrees
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.job.checks import check_stages
 from nemo_moe_export.job.compose import load_config
@@ -128,7 +129,7 @@ def test_cli_under_torchrun_runs_every_stage(trained_run):
     assert results["train"]["steps"] == 20 and results["train"]["last_loss"] < results["train"]["first_loss"]
     assert results["mmlu"]["overall"]["n"] == 4 * 12
     assert os.path.exists(run_dir / "mmlu" / "mmlu_results.json") and os.path.exists(run_dir / "mmlu" / "mmlu_results.md")
-    assert results["verify"]["ok"] and results["verify"]["same_predictions"]
+    assert_reload_agrees(results["verify"])
     assert (run_dir / "hf" / "model.safetensors.index.json").exists()
     assert (run_dir / "hf" / "tokenizer.json").exists()
     assert (run_dir / "config.json").exists() and (run_dir / "logs" / "rank3.log").exists()
@@ -172,7 +173,7 @@ def test_a_task_from_yaml_alone_runs_through_the_recipe(tmp_path):
     assert results["mmlu_during_training"][0]["step"] == 10 and "arc_challenge/acc_norm" in results["mmlu_during_training"][0]
     written = json.loads((run_dir / "mmlu" / "arc_challenge_results.json").read_text())
     assert written["task"] == "arc_challenge" and len(written["predictions"]) == 16
-    assert results["verify"]["ok"] and results["verify"]["same_predictions"]
+    assert_reload_agrees(results["verify"])
     assert "ARC-Challenge overall acc" in proc.stdout
 
 

@@ -4,7 +4,8 @@
 
 This is the recipe's end-to-end proof that the export is the trained model: ``transformers``
 ``AutoModelForCausalLM.from_pretrained`` and ``AutoTokenizer.from_pretrained`` read the directory
-with no plugin code involved in loading, and the same evaluation must give the same answers.
+with no plugin code involved in loading, and the same evaluation must give the same answers
+(``evaluate/agreement.py``: equal wherever the trained model decides them beyond rounding).
 ``OPTIONS.json`` holds the training run's ``MMLUOptions`` whole (``job/stages.py`` writes it), and
 the evaluation goes through the same :class:`~nemo_moe_export.evaluate.callback.MMLUCallback`, so
 the questions, the few-shot examples and every other option are the trained run's by construction.
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from nemo_moe_export.evaluate.callback import MMLUCallback
 
-    torch.set_num_threads(1)  # the same kernels as a training rank: predictions compare exactly
+    torch.set_num_threads(1)  # the same kernels as a training rank
     model, info = AutoModelForCausalLM.from_pretrained(args.checkpoint, output_loading_info=True)
     if info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]:
         raise SystemExit(f"checkpoint does not match the model: {info}")
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     callback.evaluate(model, tokenizer)
     result = callback.last_result
     with open(args.out, "w") as f:
-        json.dump({**result.metrics, "predictions": result.predictions}, f, indent=2)
+        json.dump({**result.metrics, "predictions": result.predictions,
+                   "scores": [r["scores"] for r in result.records]}, f, indent=2)
     print(f"reloaded {args.checkpoint}: overall acc {result.metrics['overall']['acc']:.4f}")
     return 0
 

@@ -45,6 +45,8 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
+from nemo_moe_export.config import model_dtype
+from nemo_moe_export.evaluate.agreement import coarsest_dtype, compare_answers
 from nemo_moe_export.evaluate.callback import MMLUCallback
 from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.scoring import results_to_markdown
@@ -187,6 +189,7 @@ def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | No
         mmlu_callback.on_train_end(ctx)
         if mmlu_callback.last_result is not None:
             results["mmlu_predictions"] = mmlu_callback.last_result.predictions
+            results["mmlu_scores"] = [r["scores"] for r in mmlu_callback.last_result.records]
     if export_step is not None:
         _export_stage(ctx, export_step, log)
     if "verify" in stages:
@@ -299,11 +302,11 @@ def _verify_stage(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], inf
                 trained = (results.get("mmlu") or {}).get("overall", {})
                 outcome["reloaded_accuracy"] = reloaded["overall"]["acc"]
                 outcome["reload_seconds"] = round(time.perf_counter() - t0, 2)
-                if trained:
+                if trained and "mmlu_scores" in results:
                     outcome["trained_accuracy"] = trained.get("acc")
-                    outcome["same_accuracy"] = trained.get("acc") == reloaded["overall"]["acc"]
-                    outcome["same_predictions"] = results.get("mmlu_predictions") == reloaded["predictions"]
-                    outcome["ok"] = outcome["ok"] and outcome["same_accuracy"] and outcome["same_predictions"]
+                    outcome["answers"] = compare_answers(results["mmlu_scores"], reloaded["scores"],
+                                                         _compared_dtype(checked))
+                    outcome["ok"] = outcome["ok"] and outcome["answers"]["ok"]
     if info.initialized:
         box = [outcome]
         dist.broadcast_object_list(box, src=0)
@@ -311,6 +314,14 @@ def _verify_stage(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], inf
     if not outcome.get("ok"):
         raise RuntimeError(f"verify stage failed: {json.dumps(outcome, indent=2, default=str)}")
     return outcome
+
+
+def _compared_dtype(checked: CheckedRecipe) -> torch.dtype:
+    """The coarser dtype of the trained model's and the export's: what the reload's answers are
+    compared at (FP8 exports: e4m3)."""
+    options = checked.export.options if checked.export is not None else None
+    export_dtype = options and (torch.float8_e4m3fn if options.quantize else options.torch_dtype)
+    return coarsest_dtype(model_dtype(checked.cfg.model), export_dtype)
 
 
 def _summary(results: dict[str, Any], run_dir: str, task: str) -> str:
@@ -329,8 +340,12 @@ def _summary(results: dict[str, Any], run_dir: str, task: str) -> str:
         lines.append(f"  export : {e['path']} ({e['bytes'] / 1e6:.1f} MB, {e['files']} files, {e['seconds']} s)")
     if "verify" in results:
         v = results["verify"]
-        extra = (f", reloaded acc {v['reloaded_accuracy']:.3f} == trained {v.get('trained_accuracy')}"
+        extra = (f", reloaded acc {v['reloaded_accuracy']:.3f} (trained {v.get('trained_accuracy')})"
                  if "reloaded_accuracy" in v else "")
+        if "answers" in v:
+            a = v["answers"]
+            extra += (f", answers {a['same_answers']}/{a['questions']} equal ({a['decided']} decided beyond "
+                      f"{a['dtype']} rounding, {len(a['differ_decided'])} of them differ)")
         lines.append(f"  verify : {'OK' if v.get('ok') else 'FAILED'}{extra}")
     lines.append(f"  run dir: {run_dir}")
     lines.append("=" * 72)
