@@ -11,6 +11,7 @@ import os
 import pytest
 from safetensors.torch import load_file
 
+from bounds import assert_reload_agrees
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.job.checks import check_config
 from nemo_moe_export.job.compose import load_config
