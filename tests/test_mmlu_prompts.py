@@ -303,6 +303,7 @@ def test_end_to_end_scores_equal_lm_eval_hflm(make, max_length):
     prompt = build_prompt(TEST, select_fewshot(DEV, 2, TEST))
     reqs = [((prompt, c), *lm._encode_pair(prompt, c)) for c in ANSWER_CONTINUATIONS]
     expected = [ll for ll, _ in lm._loglikelihood_tokens(reqs, disable_tqdm=True)]
+    # the same float64 log-softmax and sums, in our batching vs lm-eval's: rounding of 1e-16 relative
     assert our_scores(tok, model, prompt, max_length) == pytest.approx(expected, abs=1e-9)
 
 
@@ -320,6 +321,7 @@ def test_continuation_logprob_matches_lm_eval_including_padding():
     torch.manual_seed(0)
     logits = torch.randn(9, 50, dtype=torch.float64)
     cont = [7, 3, 3]
+    # float64, the same terms summed: equal to rounding (1e-16 relative of values below 10)
     assert continuation_logprob(logits, cont) == pytest.approx(lm_eval_score(logits, 9, cont), abs=1e-12)
     # right-padded row: only the first input_length positions are real
     assert continuation_logprob(logits, cont, input_length=6) == pytest.approx(

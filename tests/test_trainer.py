@@ -7,8 +7,7 @@ loss curves would drift apart within a few steps of Adam.
 
 from __future__ import annotations
 
-import pytest
-
+from bounds import Bound, check_figure, relative_error
 from nemo_moe_export.spawn import spawn
 
 STRATEGIES = ("fsdp", "hsdp", "ep", "ep_fsdp")
@@ -31,6 +30,11 @@ def _train_worker(rank, world, root):
     return losses
 
 
+# fp32 training under other shardings sums gradients in another order, and 8 Adam steps carry the
+# rounding on: losses and global gradient norms relative to the largest of the curve.
+TRAINING = Bound(1e-4, "fp32, 8 Adam steps from rounding-level differences, of the curve's largest value")
+
+
 def test_every_strategy_follows_the_same_loss_curve(tmp_path):
     from nemo_moe_export.job.data import write_synthetic_mmlu
 
@@ -41,6 +45,6 @@ def test_every_strategy_follows_the_same_loss_curve(tmp_path):
     for rank, runs in enumerate(per_rank):
         for strategy in STRATEGIES:
             losses, norms = runs[strategy]
-            assert losses == pytest.approx(loss_ref, rel=1e-4), (rank, strategy)
+            check_figure(relative_error(losses, loss_ref), TRAINING, f"rank {rank} {strategy} losses")
             # Adam forgives a uniformly mis-scaled gradient; the global norm does not.
-            assert norms == pytest.approx(norm_ref, rel=1e-4), (rank, strategy)
+            check_figure(relative_error(norms, norm_ref), TRAINING, f"rank {rank} {strategy} gradient norms")
