@@ -1,4 +1,5 @@
-"""The README's code is real: every block is checked against the package, and run where it can be.
+"""The README and every page of docs/ are real: every block is checked against the package, and run
+where it can be.
 
 * ```python blocks import only public modules and names (no ``_private`` module, every imported name
   in its module's ``__all__``), every ``nemo_moe_export...`` attribute they use exists, and each block
@@ -15,11 +16,17 @@
   Each block gets a fresh working directory, so two blocks may write the same ``out/`` paths.
 * ```bash blocks: every ``nemo-moe-export`` subcommand and ``--flag`` exists (read from the CLI's own
   ``--help``), and every recipe command composes with its overrides (Hydra parses and type-checks
-  them; nothing is run); ``make`` targets and ``python path.py`` scripts exist.
+  them); ``make`` targets, ``python path.py`` scripts and the files other commands name exist, and
+  ``pip install`` lines are the Makefile's pins. A command that needs GPUs says so in its comment.
+* Each docs page opens with when you need it and one command; those commands run, on the tiny
+  models, in one scratch directory (recipe runs first, so ``verify runs/...`` finds their export):
+  each recipe or script in its own process, ``verify`` / ``plan`` / ``python -c`` together in one.
+  A comment ``# exit N: ...`` states a command's expected exit status; ``prints `X``` after the
+  block states what its output holds.
 * ```yaml blocks whose first line names a file (``# my_conf/my_moe.yaml``) are written there, so the
   commands that use them compose against them; a recipe among them composes.
 * Inline ``config.key=value`` spans name declared config keys, ``module.attr`` spans exist, and
-  package paths exist.
+  package paths exist; relative links and ``docs/design.md#anchor`` citations resolve.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import json
 import os
 import re
 import shlex
@@ -44,41 +52,51 @@ from nemo_moe_export.spawn import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
 PACKAGE_DIR = Path(nemo_moe_export.__file__).parent
 CLI = [sys.executable, "-m", "nemo_moe_export"]
 
 
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
 class Block(NamedTuple):
+    page: str
     lang: str
     line: int  # 1-based line of the opening fence
     text: str
 
 
-def readme_blocks(lang: str) -> list[Block]:
-    blocks, lines = [], README.read_text().splitlines()
+def page_blocks(page: Path, lang: str | None = None) -> list[Block]:
+    """The fenced blocks of ``page`` in ``lang`` (every language when None)."""
+    blocks, lines = [], page.read_text().splitlines()
     i = 0
     while i < len(lines):
-        match = re.match(r"^```(\w+)\s*$", lines[i])
+        match = re.match(r"^```(\w*)\s*$", lines[i])
         if match:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-            if match.group(1) == lang:
-                blocks.append(Block(lang, i + 1, "\n".join(lines[i + 1:end]) + "\n"))
+            if lang is None or match.group(1) == lang:
+                blocks.append(Block(_name(page), match.group(1), i + 1, "\n".join(lines[i + 1:end]) + "\n"))
             i = end
         i += 1
     return blocks
 
 
-PYTHON = readme_blocks("python")
-BASH = readme_blocks("bash")
-YAML = readme_blocks("yaml")
+PYTHON = [b for page in PAGES for b in page_blocks(page, "python")]
+BASH = [b for page in PAGES for b in page_blocks(page, "bash")]
+YAML = [b for page in PAGES for b in page_blocks(page, "yaml")]
 
 
 def _ids(blocks: list[Block]) -> list[str]:
-    return [f"README.md:{b.line}" for b in blocks]
+    return [f"{b.page}:{b.line}" for b in blocks]
 
 
 def test_the_readme_has_code_to_check():
-    assert len(PYTHON) >= 4 and len(BASH) >= 3 and YAML
+    readme = [b for b in PYTHON + BASH + YAML if b.page == "README.md"]
+    assert {b.lang for b in readme} == {"python", "bash", "yaml"}
+    assert len(PYTHON) >= 8 and len(BASH) >= 15 and YAML
 
 
 # --- python: public imports and attributes -------------------------------------------------------
@@ -144,7 +162,7 @@ def import_problems(source: str) -> list[str]:
 @pytest.mark.parametrize("block", PYTHON, ids=_ids(PYTHON))
 def test_python_block_uses_only_public_names_that_exist(block):
     problems = import_problems(block.text)
-    assert not problems, f"README.md:{block.line}: " + "; ".join(problems)
+    assert not problems, f"{block.page}:{block.line}: " + "; ".join(problems)
 
 
 def test_the_import_check_catches_private_and_missing_names():
@@ -162,7 +180,7 @@ def test_the_import_check_catches_private_and_missing_names():
 
 
 def _prepare_assets(root: Path) -> dict[str, Any]:
-    """The namespace a README block runs in (see the module docstring); files under ``root``."""
+    """The namespace a page's block runs in (see the module docstring); files under ``root``."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -202,7 +220,7 @@ def _run_blocks(rank: int, world: int, sources: list[str], root: str) -> list[st
         os.chdir(cwd)
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                exec(compile(source, f"README block {i}", "exec"), dict(namespace))
+                exec(compile(source, f"block {i}", "exec"), dict(namespace))
             outcomes.append(None)
         except BaseException:  # reported by the test of that block
             outcomes.append(traceback.format_exc())
@@ -217,7 +235,8 @@ def block_outcomes(tmp_path_factory):
 
 @pytest.mark.parametrize("index", range(len(PYTHON)), ids=_ids(PYTHON))
 def test_python_block_runs(block_outcomes, index):
-    assert block_outcomes[index] is None, f"README.md:{PYTHON[index].line} failed:\n{block_outcomes[index]}"
+    block = PYTHON[index]
+    assert block_outcomes[index] is None, f"{block.page}:{block.line} failed:\n{block_outcomes[index]}"
 
 
 # --- bash: subcommands, flags, overrides ---------------------------------------------------------
@@ -245,19 +264,30 @@ def _flags(help_text: str) -> dict[str, bool]:
 
 
 class Command(NamedTuple):
+    page: str
     line: int
     argv: list[str]
+    comment: str  # what follows `` # `` on the command's line
+
+
+def block_commands(block: Block) -> list[Command]:
+    commands = []
+    text = block.text.replace("\\\n", " ")
+    for offset, raw in enumerate(text.splitlines()):
+        argv = shlex.split(raw, comments=True)
+        if argv:
+            match = re.search(r"\s#\s+(.*)$", raw)
+            comment = match.group(1) if match and shlex.split(raw[:match.start()]) == argv else ""
+            commands.append(Command(block.page, block.line + 1 + offset, argv, comment))
+    return commands
 
 
 def bash_commands() -> list[Command]:
-    commands = []
-    for block in BASH:
-        text = block.text.replace("\\\n", " ")
-        for offset, raw in enumerate(text.splitlines()):
-            argv = shlex.split(raw, comments=True)
-            if argv:
-                commands.append(Command(block.line + 1 + offset, argv))
-    return commands
+    return [c for block in BASH for c in block_commands(block)]
+
+
+def _cid(command: Command) -> str:
+    return f"{command.page}:{command.line}"
 
 
 def _package_args(argv: list[str]) -> list[str] | None:
@@ -275,11 +305,11 @@ OTHER_COMMANDS = [c for c in bash_commands() if _package_args(c.argv) is None]
 
 
 def test_bash_blocks_name_package_commands():
-    assert len(PACKAGE_COMMANDS) >= 5, PACKAGE_COMMANDS
+    assert len(PACKAGE_COMMANDS) >= 20, PACKAGE_COMMANDS
 
 
 def _scratch_with_yaml_files(root: Path) -> Path:
-    """``root`` holding every README yaml block that names its file on its first line."""
+    """``root`` holding every yaml block that names its file on its first line."""
     for block in YAML:
         match = re.match(r"#\s*(\S+\.yaml)\s*$", block.text.splitlines()[0])
         if match:
@@ -304,18 +334,19 @@ def _split_own_flags(args: list[str], own: dict[str, bool]) -> tuple[list[str], 
     return mine, rest
 
 
-@pytest.mark.parametrize("command", PACKAGE_COMMANDS, ids=[f"README.md:{c.line}" for c in PACKAGE_COMMANDS])
+@pytest.mark.parametrize("command", PACKAGE_COMMANDS, ids=[_cid(c) for c in PACKAGE_COMMANDS])
 def test_bash_command_flags_exist_and_overrides_compose(command, cli_help, tmp_path, monkeypatch):
     from nemo_moe_export.job.compose import load_config, split_recipe_args
 
+    where = _cid(command)
     args = _package_args(command.argv)
     sub = args[0] if args and args[0] in cli_help else None
     if sub is None and args and not args[0].startswith("-") and "=" not in args[0]:
-        pytest.fail(f"README.md:{command.line}: unknown subcommand {args[0]!r}; known: {sorted(k for k in cli_help if k)}")
+        pytest.fail(f"{where}: unknown subcommand {args[0]!r}; known: {sorted(k for k in cli_help if k)}")
     args = args[1:] if sub else args
     known = {**_flags(cli_help[None]), **_flags(cli_help[sub])}
     unknown = [a for a in args if a.startswith("--") and a.split("=", 1)[0] not in known]
-    assert not unknown, f"README.md:{command.line}: unknown flags {unknown}; known: {sorted(known)}"
+    assert not unknown, f"{where}: unknown flags {unknown}; known: {sorted(known)}"
     if sub not in (None, "launch"):
         return  # verify and the like take paths that exist only after a run
     own = {f: v for f, v in _flags(cli_help[sub]).items() if f not in _flags(cli_help[None])} if sub else {}
@@ -325,19 +356,173 @@ def test_bash_command_flags_exist_and_overrides_compose(command, cli_help, tmp_p
     load_config(recipe, overrides, config_dirs)  # Hydra parses, type-checks and composes
 
 
-@pytest.mark.parametrize("command", OTHER_COMMANDS, ids=[f"README.md:{c.line}" for c in OTHER_COMMANDS])
+def _makefile_value(name: str) -> list[str]:
+    return re.search(rf"^{name}\s*\?=\s*(.+)$", (ROOT / "Makefile").read_text(), flags=re.M)[1].split()
+
+
+@pytest.mark.parametrize("command", OTHER_COMMANDS, ids=[_cid(c) for c in OTHER_COMMANDS])
 def test_other_bash_commands_name_what_exists(command):
-    argv = command.argv
+    argv, where = command.argv, _cid(command)
     if argv[0] == "make":
         targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M))
-        assert set(argv[1:]) <= targets, f"README.md:{command.line}: make {argv[1:]}; targets {sorted(targets)}"
+        assert set(argv[1:]) <= targets, f"{where}: make {argv[1:]}; targets {sorted(targets)}"
+    elif argv[0] == "python" and argv[1] == "-c":
+        problems = import_problems(argv[2])
+        assert not problems, f"{where}: " + "; ".join(problems)
     elif argv[0] == "python" and argv[1].endswith(".py"):
-        assert (ROOT / argv[1]).is_file(), f"README.md:{command.line}: {argv[1]} not found"
-    elif argv[:2] == ["pip", "install"]:  # the torch pin the Makefile uses, or this package itself
-        assert argv[2:] in (["."], [re.search(r'TORCH\s*\?=\s*(\S+)', (ROOT / "Makefile").read_text())[1]]), \
-            f"README.md:{command.line}: pip install {argv[2:]}"
+        assert (ROOT / argv[1]).is_file(), f"{where}: {argv[1]} not found"
+    elif argv[:2] == ["pip", "install"]:  # the Makefile's pins (torch, AutoModel), or this package itself
+        allowed = (["."], _makefile_value("TORCH"), ["--no-deps", *_makefile_value("AUTOMODEL")])
+        assert argv[2:] in allowed, f"{where}: pip install {argv[2:]}; the Makefile installs {allowed}"
+    elif argv[0] == "automodel":  # AutoModel's own launcher, on a recipe file of this repository
+        assert (ROOT / argv[1]).is_file(), f"{where}: {argv[1]} not found"
     else:
-        pytest.fail(f"README.md:{command.line}: a command this test does not know how to check: {argv[0]}")
+        pytest.fail(f"{where}: a command this test does not know how to check: {argv[0]}")
+
+
+# --- bash: the commands that need GPUs say so -----------------------------------------------------
+
+_GPU_ONLY = ("parallel.device=cuda", "recipe=deepseek_v3_gpu", "--slurm-account")
+
+
+def needs_gpus(argv: list[str]) -> bool:
+    """A command that runs only on GPUs (or too slowly without): the GPU recipe or device, Slurm, more
+    ranks than a CPU test machine holds, AutoModel's CUDA launcher, a GPU benchmark."""
+    if argv[0] == "automodel" or any(a in _GPU_ONLY for a in argv):
+        return True
+    if (_package_args(argv) or [None])[0] == "plan":
+        return False  # the planner simulates every rank in one process
+    for flag in ("--nproc", "--nproc-per-node"):
+        if flag in argv and int(argv[argv.index(flag) + 1]) > 4:
+            return True
+    script = next((a for a in argv if a.endswith(".py")), "")
+    return "gpu" in Path(script).name and "parallel.device=cpu" not in argv
+
+
+@pytest.mark.parametrize("command", bash_commands(), ids=[_cid(c) for c in bash_commands()])
+def test_commands_that_need_gpus_say_so(command):
+    if needs_gpus(command.argv):
+        assert "gpu" in command.comment.lower(), f"{_cid(command)}: needs GPUs; its comment must say so"
+
+
+# --- each page's command runs ---------------------------------------------------------------------
+
+
+class PageCommand(NamedTuple):
+    command: Command
+    prints: str | None  # what its output holds, from the ``prints `X``` line after its block
+
+
+def page_command(page: Path) -> PageCommand:
+    """The command a docs page opens with: the first line of its first block, which is bash."""
+    first = page_blocks(page)[0]
+    assert first.lang == "bash", f"{_name(page)}:{first.line}: the page's first block is not bash"
+    after = page.read_text().splitlines()[first.line + first.text.count("\n"):]
+    said = next((line for line in after if line.strip()), "")
+    prints = re.match(r"prints `([^`]+)`", said)
+    if prints:
+        return PageCommand(block_commands(first)[0], prints.group(1))
+    shown = [b for b in page_blocks(page) if b.line > first.line][:1]
+    if said.startswith("prints") and shown and shown[0].lang == "text":  # prints ...:  then the output
+        return PageCommand(block_commands(first)[0], shown[0].text.splitlines()[0])
+    return PageCommand(block_commands(first)[0], None)
+
+
+MANUAL = [page for page in DOCS if page.name != "design.md"]
+PAGE_COMMANDS = {_name(page): page_command(page) for page in MANUAL}
+
+
+@pytest.mark.parametrize("page", MANUAL, ids=[_name(p) for p in MANUAL])
+def test_each_page_opens_with_when_you_need_it_then_a_command(page):
+    lines = [line for line in page.read_text().splitlines() if line.strip()]
+    assert lines[0].startswith("# "), f"{_name(page)}: no title"
+    assert lines[1].startswith("**When you need it:**"), f"{_name(page)}: the title is not followed by when you need it"
+    assert PAGE_COMMANDS[_name(page)].command  # page_command checked the first block is bash
+
+
+def _expected_status(command: Command) -> int:
+    match = re.match(r"exit (\d+):", command.comment)
+    return int(match.group(1)) if match else 0
+
+
+def _kind(argv: list[str]) -> str:
+    """``recipe`` (a run or a launch: its own process, first), ``script`` (its own process), or
+    ``inline`` (``verify``, ``plan``, ``python -c``: one process for all, after the runs)."""
+    args = _package_args(argv)
+    if args is not None:
+        return "inline" if args and args[0] in ("verify", "plan") else "recipe"
+    return "inline" if argv[:2] == ["python", "-c"] else "script"
+
+
+RUNNABLE = sorted({tuple(pc.command.argv): pc.command for pc in PAGE_COMMANDS.values()
+                   if not needs_gpus(pc.command.argv)}.values(),
+                  key=lambda c: ["recipe", "script", "inline"].index(_kind(c.argv)))
+
+
+def _run_inline(commands: list[list[str]]) -> list[tuple[int, str]]:
+    """In this process, one after another: each ``verify`` / ``plan`` through the CLI's ``main``, each
+    ``python -c`` through ``exec``; the exit status and output of each."""
+    import contextlib
+    import io
+
+    from nemo_moe_export.cli import main
+
+    outcomes = []
+    for argv in commands:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                status = main(_package_args(argv)) if _package_args(argv) is not None else exec(argv[2], {}) or 0
+            except SystemExit as exc:
+                status = exc.code if isinstance(exc.code, int) else 1
+            except BaseException:  # reported by the test of that command
+                import traceback
+
+                traceback.print_exc()
+                status = 1
+        outcomes.append((status, out.getvalue()))
+    return outcomes
+
+
+def _argv_to_run(argv: list[str]) -> list[str]:
+    args = _package_args(argv)
+    if args is not None:
+        return [*CLI, *args]
+    return [sys.executable, str(ROOT / argv[1]), *argv[2:]]  # python benchmarks/x.py ...
+
+
+@pytest.fixture(scope="module")
+def run_outcomes(tmp_path_factory) -> dict[tuple[str, ...], tuple[int, str]]:
+    """Every runnable page command, run in one scratch directory: its exit status and output."""
+    scratch = tmp_path_factory.mktemp("pages")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    outcomes = {}
+    for command in [c for c in RUNNABLE if _kind(c.argv) != "inline"]:
+        proc = subprocess.run(_argv_to_run(command.argv), capture_output=True, text=True, timeout=600,
+                              cwd=scratch, env=env)
+        outcomes[tuple(command.argv)] = (proc.returncode, proc.stdout + proc.stderr)
+    inline = [c.argv for c in RUNNABLE if _kind(c.argv) == "inline"]
+    code = (f"import json, os, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); os.chdir({str(scratch)!r}); "
+            f"from test_readme import _run_inline; print(json.dumps(_run_inline({inline!r})))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    outcomes.update(zip(map(tuple, inline), map(tuple, json.loads(proc.stdout.splitlines()[-1]))))
+    return outcomes
+
+
+def test_most_page_commands_run():
+    assert len(RUNNABLE) >= 8, RUNNABLE
+
+
+@pytest.mark.parametrize("page", list(PAGE_COMMANDS), ids=list(PAGE_COMMANDS))
+def test_page_command_runs(page, run_outcomes):
+    command, prints = PAGE_COMMANDS[page]
+    if needs_gpus(command.argv):
+        pytest.skip(f"{_cid(command)} needs GPUs (its flags are checked above)")
+    status, output = run_outcomes[tuple(command.argv)]
+    assert status == _expected_status(command), f"{_cid(command)}: exit {status}\n{output[-4000:]}"
+    assert prints is None or prints in output, f"{_cid(command)}: printed no {prints!r}\n{output[-4000:]}"
 
 
 def test_yaml_recipes_compose(tmp_path, monkeypatch):
@@ -345,7 +530,7 @@ def test_yaml_recipes_compose(tmp_path, monkeypatch):
 
     root = _scratch_with_yaml_files(tmp_path)
     recipes = [p for p in root.rglob("*.yaml") if "base" in (yaml.safe_load(p.read_text()).get("defaults") or [])]
-    assert recipes, "the README's recipe example names its file on its first line (# my_conf/my_moe.yaml)"
+    assert recipes, "a recipe example names its file on its first line (# my_conf/my_moe.yaml)"
     monkeypatch.chdir(root)
     for path in recipes:
         cfg = load_config(path.stem, [], [str(path.parent)])
@@ -377,6 +562,7 @@ def inline_span_problems(markdown: str) -> list[str]:
             key = token.split("=", 1)[0]
             head = key.split(".")[0]
             if "/" in key:
+                key = key.split("#")[0]  # docs/design.md#anchor: the anchors have their own test
                 if key.split("/")[0] in PATH_ROOTS or key.split("/")[0] in PACKAGE_PARTS:
                     clean = key.rstrip("/")
                     if not any(next(base.glob(clean), None) for base in (ROOT, PACKAGE_DIR)):
@@ -395,9 +581,53 @@ def inline_span_problems(markdown: str) -> list[str]:
     return problems
 
 
-def test_inline_spans_name_config_keys_attributes_and_paths_that_exist():
-    problems = inline_span_problems(README.read_text())
-    assert not problems, "\n".join(problems)
+@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
+def test_inline_spans_name_config_keys_attributes_and_paths_that_exist(page):
+    problems = inline_span_problems(page.read_text())
+    assert not problems, f"{_name(page)}:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
+def test_relative_links_resolve(page):
+    targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text())
+    missing = [t for t in targets if not (page.parent / t).exists()]
+    assert not missing, f"{_name(page)}: links to {missing}"
+
+
+def test_the_readme_links_every_page():
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", README.read_text()))
+    assert linked == {_name(p) for p in DOCS}, sorted({_name(p) for p in DOCS} ^ linked)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_design_anchors_cited_anywhere_exist():
+    design = ROOT / "docs" / "design.md"
+    anchors = {_anchor(h) for h in re.findall(r"^#+ (.*)$", design.read_text(), flags=re.M)}
+    cited = {}
+    for base in ("nemo_moe_export", "tests", "benchmarks", "docs", "examples"):
+        for path in (ROOT / base).rglob("*"):
+            if path.suffix in (".py", ".md", ".yaml") and path.is_file() and path.name != "test_readme.py":
+                for anchor in re.findall(r"design\.md#([\w-]+)", path.read_text()):
+                    cited.setdefault(anchor, path.relative_to(ROOT).as_posix())
+    for anchor in re.findall(r"design\.md#([\w-]+)", README.read_text()):
+        cited.setdefault(anchor, "README.md")
+    missing = {a: where for a, where in cited.items() if a not in anchors}
+    assert not missing, f"design.md has no heading for {missing}"
+
+
+def test_the_layout_lists_every_module_of_the_package():
+    text = (ROOT / "docs" / "layout.md").read_text()
+    tree = next(b.text for b in page_blocks(ROOT / "docs" / "layout.md", "text") if b.text.startswith("nemo_moe_export/"))
+    listed = set(re.findall(r"^  ([\w.]+/?)", tree, flags=re.M))
+    package = {p.name + ("/" if p.is_dir() else "") for p in PACKAGE_DIR.iterdir()
+               if not p.name.startswith("_") and p.name != "__pycache__"}
+    assert listed == package, f"listed, not in the package: {sorted(listed - package)}; " \
+                              f"in the package, not listed: {sorted(package - listed)}"
+    assert text
 
 
 def test_the_span_check_catches_stale_names():
