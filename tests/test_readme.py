@@ -491,38 +491,61 @@ def _argv_to_run(argv: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / argv[1]), *argv[2:]]  # python benchmarks/x.py ...
 
 
+class PageRunner:
+    """Runs the page commands in one scratch directory, each once: a recipe or script in its own
+    process when its test asks; every ``inline`` one together, in one process, when the first of
+    them is asked for (the tests ask in ``RUNNABLE`` order, so the recipe runs come first)."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch, self.outcomes = scratch, {}
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+    def outcome(self, argv: list[str]) -> tuple[int, str]:
+        if tuple(argv) not in self.outcomes:
+            if _kind(argv) == "inline":
+                self._run_inline()
+            else:
+                proc = subprocess.run(_argv_to_run(argv), capture_output=True, text=True, timeout=280,
+                                      cwd=self.scratch, env=self.env)
+                self.outcomes[tuple(argv)] = (proc.returncode, proc.stdout + proc.stderr)
+        return self.outcomes[tuple(argv)]
+
+    def _run_inline(self) -> None:
+        inline = [c.argv for c in RUNNABLE if _kind(c.argv) == "inline"]
+        code = (f"import json, os, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); os.chdir({str(self.scratch)!r}); "
+                f"from test_readme import _run_inline; print(json.dumps(_run_inline({inline!r})))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=280, env=self.env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        self.outcomes.update(zip(map(tuple, inline), map(tuple, json.loads(proc.stdout.splitlines()[-1]))))
+
+
 @pytest.fixture(scope="module")
-def run_outcomes(tmp_path_factory) -> dict[tuple[str, ...], tuple[int, str]]:
-    """Every runnable page command, run in one scratch directory: its exit status and output."""
-    scratch = tmp_path_factory.mktemp("pages")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
-    outcomes = {}
-    for command in [c for c in RUNNABLE if _kind(c.argv) != "inline"]:
-        proc = subprocess.run(_argv_to_run(command.argv), capture_output=True, text=True, timeout=600,
-                              cwd=scratch, env=env)
-        outcomes[tuple(command.argv)] = (proc.returncode, proc.stdout + proc.stderr)
-    inline = [c.argv for c in RUNNABLE if _kind(c.argv) == "inline"]
-    code = (f"import json, os, sys; sys.path.insert(0, {str(ROOT / 'tests')!r}); os.chdir({str(scratch)!r}); "
-            f"from test_readme import _run_inline; print(json.dumps(_run_inline({inline!r})))")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    outcomes.update(zip(map(tuple, inline), map(tuple, json.loads(proc.stdout.splitlines()[-1]))))
-    return outcomes
+def page_runner(tmp_path_factory) -> PageRunner:
+    return PageRunner(tmp_path_factory.mktemp("pages"))
 
 
 def test_most_page_commands_run():
     assert len(RUNNABLE) >= 8, RUNNABLE
 
 
+def _pages_of(command: Command) -> list[str]:
+    return [page for page, pc in PAGE_COMMANDS.items() if pc.command.argv == command.argv]
+
+
+@pytest.mark.parametrize("command", RUNNABLE, ids=["+".join(_pages_of(c)) for c in RUNNABLE])
+def test_page_command_runs(command, page_runner):
+    status, output = page_runner.outcome(command.argv)
+    for page in _pages_of(command):
+        mine, prints = PAGE_COMMANDS[page]
+        assert status == _expected_status(mine), f"{_cid(mine)}: exit {status}\n{output[-4000:]}"
+        assert prints is None or prints in output, f"{_cid(mine)}: printed no {prints!r}\n{output[-4000:]}"
+
+
 @pytest.mark.parametrize("page", list(PAGE_COMMANDS), ids=list(PAGE_COMMANDS))
-def test_page_command_runs(page, run_outcomes):
-    command, prints = PAGE_COMMANDS[page]
-    if needs_gpus(command.argv):
-        pytest.skip(f"{_cid(command)} needs GPUs (its flags are checked above)")
-    status, output = run_outcomes[tuple(command.argv)]
-    assert status == _expected_status(command), f"{_cid(command)}: exit {status}\n{output[-4000:]}"
-    assert prints is None or prints in output, f"{_cid(command)}: printed no {prints!r}\n{output[-4000:]}"
+def test_a_page_command_that_does_not_run_needs_gpus(page):
+    command = PAGE_COMMANDS[page].command
+    assert any(c.argv == command.argv for c in RUNNABLE) or needs_gpus(command.argv)
 
 
 def test_yaml_recipes_compose(tmp_path, monkeypatch):
@@ -620,14 +643,19 @@ def test_design_anchors_cited_anywhere_exist():
 
 
 def test_the_layout_lists_every_module_of_the_package():
-    text = (ROOT / "docs" / "layout.md").read_text()
     tree = next(b.text for b in page_blocks(ROOT / "docs" / "layout.md", "text") if b.text.startswith("nemo_moe_export/"))
     listed = set(re.findall(r"^  ([\w.]+/?)", tree, flags=re.M))
     package = {p.name + ("/" if p.is_dir() else "") for p in PACKAGE_DIR.iterdir()
                if not p.name.startswith("_") and p.name != "__pycache__"}
     assert listed == package, f"listed, not in the package: {sorted(listed - package)}; " \
                               f"in the package, not listed: {sorted(package - listed)}"
-    assert text
+    unnamed = [f"{folder.name}/{module.name}" for folder in PACKAGE_DIR.iterdir() if folder.is_dir()
+               for module in folder.glob("*.py")
+               if module.name != "__init__.py" and not re.search(rf"\b{re.escape(module.name)}\b", tree)]
+    assert not unnamed, f"modules the layout does not name: {unnamed}"
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
+    existing = {m.name for m in PACKAGE_DIR.rglob("*.py")}
+    assert named <= existing, f"the layout names modules that do not exist: {sorted(named - existing)}"
 
 
 def test_the_span_check_catches_stale_names():
