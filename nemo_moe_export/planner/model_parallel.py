@@ -119,7 +119,7 @@ def _lay_out(meta: Any, mp: ModelParallel, strategy: str, stage_ranks: int) -> d
         if got is None or tuple(got.shape) != tuple(tensor.shape):
             raise RuntimeError(f"the planner's layout model differs from the model at {name} (a planner defect)")
         if not isinstance(got, DTensor) or (strategy == "ep" and name in meta.experts):
-            out[name] = None  # plain; EP places the routed experts (simulate._Layout)
+            out[name] = None  # plain; EP places the routed experts (ranks.Layout)
         elif strategy == "ep":  # TP over "tp", copies over the data-parallel and CP dims
             placements = dict(zip(got.device_mesh.mesh_dim_names, got.placements))
             out[name] = (names, tuple(placements.get(n, Replicate()) for n in names))

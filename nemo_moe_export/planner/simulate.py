@@ -4,7 +4,8 @@ For each simulated rank ``r`` of ``W`` (docs/design.md#planner):
 
 1. the default process group is re-initialised as rank ``r`` of the ``fake`` backend
    (``FakeStore``: no peer, no traffic), and the layout's DeviceMeshes are built on it with
-   ``init_device_mesh``, so every mesh coordinate, group and replica number is torch's own;
+   ``init_device_mesh``, so every mesh coordinate, group and replica number is torch's own
+   (``ranks.py``: the fake world, each rank's meshes and its state dict);
 2. the rank's state dict is the meta model's tensors laid out as ``job/trainer.shard_model``
    lays them out: FSDP2 ``Shard(0)`` of every parameter over ``dp_shard`` (HSDP: ``(Replicate,
    Shard(0))`` on ``(dp_replicate, dp_shard)``), expert parallelism's ``Shard(0)`` of the fused
@@ -20,7 +21,7 @@ For each simulated rank ``r`` of ``W`` (docs/design.md#planner):
 The plan itself (``step.export_plan_of``) and the file owners (``plan.assign_file_owners``) are
 rank-independent and computed once, from the full meta state dict. The export's rank-local code is
 timed here too (``timing.py`` takes those times), as is rank 0's bookkeeping on a skeleton of the
-checkpoint (``_metadata_seconds``). Ranks are simulated on the representative layer of each layer
+checkpoint (``metadata_seconds``). Ranks are simulated on the representative layer of each layer
 group (``model.py``); a result for a representative key is counted for every member layer, whose
 keys map to files through the plan.
 """
@@ -28,22 +29,14 @@ keys map to files through the plan.
 from __future__ import annotations
 
 import math
-import os
-import pickle
-import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import replace
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export import stages
@@ -51,19 +44,14 @@ from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, assign_file_owners, check_coverage, element_counts
 from nemo_moe_export.export.replicas import replica_sets
 from nemo_moe_export.export.row_exchange import row_parallel_shares, row_parts
-from nemo_moe_export.export.step import (cyclic_gc_paused, export_catalogue, export_plan_of, rank_write_shares,
-                                         replicated_tensors)
-from nemo_moe_export.export.target import export_id_of, new_export_id, write_metadata_files
-from nemo_moe_export.export.verify import verify_checkpoint
-from nemo_moe_export.export.writer import write_headers
+from nemo_moe_export.export.step import export_plan_of, rank_write_shares, replicated_tensors
 from nemo_moe_export.export.writer import byte_runs
-from nemo_moe_export.job.checks import check_strategy
-from nemo_moe_export.parallel import RankGroup, expert_parallel_groups
-from nemo_moe_export.placement import get_ep_expert_range
+from nemo_moe_export.planner.code_times import catalogue_seconds, metadata_seconds, timed
 from nemo_moe_export.planner.model import MetaModel
-from nemo_moe_export.planner.model_parallel import (ModelParallel, check_model_parallel, model_parallel_of,
-                                                    recorded_placements)
+from nemo_moe_export.planner.model_parallel import ModelParallel, model_parallel_of, recorded_placements
 from nemo_moe_export.planner.pipeline import Pipeline, pipeline_of
+from nemo_moe_export.planner.ranks import (Layout, SimulatedCoordinator, check_layout, fake_world, pp_size_of,
+                                           rank_state_dict)
 
 __all__ = ["RankPlan", "Simulation", "StageWork", "fake_world", "simulate"]
 
@@ -153,166 +141,6 @@ class StageWork:
         return rank // (world // self.pipeline.pp_size)
 
 
-def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
-    """``fn(*args, **kwargs)`` and its seconds, with Python's cycle collector paused as the export
-    pauses it (``step.cyclic_gc_paused``), so a collection the planner's own objects trigger is
-    not counted as the export's work."""
-    with cyclic_gc_paused():
-        started = time.perf_counter()
-        out = fn(*args, **kwargs)
-        return out, time.perf_counter() - started
-
-
-@contextmanager
-def fake_world() -> Iterator[Any]:
-    """Own the default process group for the simulation (refused if a real one exists); yields a
-    function that makes this process rank ``r`` of ``W``."""
-    if dist.is_initialized():
-        raise InputError("the planner needs a process without a process group", key="torch.distributed",
-                         expected="no default process group", actual=f"backend {dist.get_backend()}",
-                         hint="run `nemo-moe-export plan` in its own process, not inside a job")
-
-    def become(rank: int, world: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-    try:
-        yield become
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-@dataclass(frozen=True)
-class _Coordinator:
-    """The parts of ``parallel.Coordinator`` that ``replica_sets`` reads, for a simulated rank of
-    the world (a real Coordinator would open a gloo side group)."""
-
-    rank: int
-    world_size: int
-    active: bool = True
-    group: Any = None
-
-    def global_rank(self, group_rank: int) -> int:
-        return group_rank
-
-
-class _Layout:
-    """The meshes and placements ``shard_model`` gives each kind of tensor, for the current rank.
-
-    Under pipeline parallelism (``pp_size`` > 1) every mesh has "pp" as its outermost dim and the
-    strategy shards inside a stage over the stage's ``S = W / pp_size`` ranks, on the stage's
-    sub-mesh; a plain tensor is a ``Replicate()`` DTensor over those ranks (the "stage peers"), as
-    the export's ``stages.stage_replicated`` makes it (docs/design.md#planner). Under TP / CP
-    (``recorded``: each key's mesh dim names and placements, ``model_parallel.py``) a tensor goes on
-    the sub-mesh of those names of the stage's ``("dp", "cp", "tp")`` root; EP still places the
-    routed experts of the ``ep`` strategy."""
-
-    def __init__(self, parallel: Any, world: int, recorded: Mapping[str, Any] | None = None) -> None:
-        strategy, pp = parallel.strategy, _pp_size(parallel)
-        stage = world // pp  # ranks per stage (the whole world without pipeline stages)
-        self.dense = self.experts = self.plain = None  # (mesh, placements); None: a plain tensor
-        self.recorded, self.root = recorded, None
-        self.meshes: dict[tuple[str, ...], Any] = {}
-        if recorded is not None:  # TP / CP: torch's own placements (model_parallel.py), on this rank's meshes
-            shape, names = model_parallel_of(parallel).root(stage)
-            self.root = _stage_mesh(pp, shape, names)
-            self.meshes[names] = self.root
-        elif strategy in ("fsdp", "hsdp", "ep_fsdp"):
-            if strategy == "hsdp":
-                mesh = _stage_mesh(pp, (parallel.replicate, stage // parallel.replicate), ("dp_replicate", "dp_shard"))
-                self.dense = (mesh, (Replicate(), Shard(0)))
-            else:
-                self.dense = (_stage_mesh(pp, (stage,), ("dp_shard",)), (Shard(0),))
-        if strategy in ("ep", "ep_fsdp"):
-            ep, edp = parallel.ep_size, stage // parallel.ep_size
-            if edp == 1:
-                self.experts = (_stage_mesh(pp, (ep,), ("ep",)), (Shard(0),))
-            else:  # expert_parallel.expert_mesh: rows are the EP groups of parallel.expert_parallel_groups
-                self.experts = (_stage_mesh(pp, (edp, ep), ("edp", "ep")), (Replicate(), Shard(0)))
-        else:
-            self.experts = self.dense
-        if pp > 1:
-            self.plain = (_stage_mesh(pp, (stage,), ("stage_peers",)), (Replicate(),))
-        self.strategy = strategy
-
-    def of(self, key: str, meta: MetaModel) -> tuple[Any, tuple] | None:
-        if self.recorded is not None:
-            if key in meta.experts and self.strategy == "ep":
-                return self.experts
-            where = self.recorded[key]
-            return self.plain if where is None else (self._mesh(where[0]), where[1])
-        if key in meta.experts:
-            return self.experts
-        if key in meta.buffers or self.strategy == "ep":
-            return self.plain
-        return self.dense
-
-    def _mesh(self, names: tuple[str, ...]) -> Any:
-        """The stage root's sub-mesh of ``names`` (FSDP2 over "dp" of a TP weight: ``("dp", "tp")``)."""
-        if names not in self.meshes:
-            self.meshes[names] = self.root[names if len(names) > 1 else names[0]]
-        return self.meshes[names]
-
-
-def _pp_size(parallel: Any) -> int:
-    return int(getattr(parallel, "pp_size", 1) or 1)
-
-
-def _stage_mesh(pp: int, shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
-    """A mesh over one stage's ranks (``shape``, ``names``): the world's mesh without pipeline
-    stages; else this rank's stage's block of ranks, as the sub-mesh of a mesh with "pp"
-    outermost would be (the same ranks, coordinates and groups), without opening the groups of
-    the other stages and of the "pp" dim, which no tensor is placed on (at 1,024 ranks, most of
-    the simulation's time)."""
-    if pp == 1:
-        return init_device_mesh("cpu", shape, mesh_dim_names=names)
-    size = math.prod(shape)
-    first = dist.get_rank() // size * size
-    return DeviceMesh("cpu", torch.arange(first, first + size).view(shape), mesh_dim_names=names)
-
-
-def _rank_state_dict(tensors: Mapping[str, torch.Tensor], meta: MetaModel, layout: _Layout) -> dict[str, torch.Tensor]:
-    """This rank's state dict: meta DTensors of this rank's local shapes (one per distinct tensor
-    layout; a DTensor is only read, so keys of equal shape and layout may share one)."""
-    made: dict[tuple, torch.Tensor] = {}
-    out = {}
-    for key, tensor in tensors.items():
-        where = layout.of(key, meta)
-        if where is None:
-            out[key] = tensor
-            continue
-        mesh, placements = where
-        signature = (tuple(tensor.shape), tensor.dtype, id(mesh), placements)
-        if signature not in made:
-            local_shape, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
-            local = torch.empty(local_shape, dtype=tensor.dtype, device="meta")
-            made[signature] = DTensor.from_local(local, mesh, placements, run_check=False,
-                                                 shape=tensor.shape, stride=tensor.stride())
-        out[key] = made[signature]
-    return out
-
-
-def check_layout(parallel: Any, world: int, meta: MetaModel) -> None:
-    """The layout fits the world and the model, as ``job/checks.py`` and ``shard_model`` require
-    (under pipeline stages, the strategy's sizes divide the ranks of a stage)."""
-    if not isinstance(world, int) or world < 1:
-        raise InputError("the world size must be a positive integer", key="--world", expected=">= 1",
-                         actual=world)
-    check_strategy(parallel)
-    pp = _pp_size(parallel)
-    if pp < 1 or world % pp:
-        raise InputError("the pipeline size must divide the world", key="parallel.pp_size",
-                         expected=f"a divisor of {world}", actual=pp)
-    stage = world // pp
-    check_strategy(parallel, stage)
-    if parallel.strategy in ("ep", "ep_fsdp"):
-        expert_parallel_groups(stage, parallel.ep_size)
-        get_ep_expert_range(meta.adapter.num_experts, parallel.ep_size, 0)
-    check_model_parallel(parallel, stage, " of a pipeline stage" if pp > 1 else "")
-
-
 def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions, *,
              device: str = "cpu", progress: Any = None, record_runs: bool = False) -> Simulation:
     """Simulate the export on every rank of ``world``; ``device`` is where the model's shards live
@@ -327,13 +155,13 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
     owners = assign_file_owners(plan, list(range(world)))  # SharedFilesystemWriter: every rank writes
     ranks, digests = [], []
     digest = plan.digest()
-    _, state_dict_s = _timed(meta.model.state_dict)
-    replicated, replicated_s = _timed(replicated_tensors, meta.adapter, meta.simulated)
+    _, state_dict_s = timed(meta.model.state_dict)
+    replicated, replicated_s = timed(replicated_tensors, meta.adapter, meta.simulated)
     replicated_names = sorted(replicated)  # by key: rank-independent
     replicated_s *= len(meta.state_dict) / max(1, len(meta.simulated))
     total_counts = torch.zeros(len(plan.tensors), dtype=torch.int64)
     tiling = _Tiling(plan, expansion, 1 if pipeline is None else pipeline.pp_size)
-    per_stage = world // _pp_size(parallel)
+    per_stage = world // pp_size_of(parallel)
     holders = None if pipeline is None else [pipeline.pp_rank_of(k) for k in plan.tensors]
     held: dict[int, _Held] = {}
     mp = model_parallel_of(parallel)
@@ -345,7 +173,7 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
             if pp_rank not in held:
                 held[pp_rank] = _Held(meta, expansion, pipeline, pp_rank, holders)
                 tiling.expect(held[pp_rank])
-            state_dict = _rank_state_dict(held[pp_rank].tensors, meta, _Layout(parallel, world, recorded))
+            state_dict = rank_state_dict(held[pp_rank].tensors, meta, Layout(parallel, world, recorded))
             result, counts = _simulate_rank(rank, world, state_dict, meta, plan, held[pp_rank], options, device,
                                             tiling, replicated_names, record_runs)
             digests.append(_digest_of(state_dict, digest, meta))
@@ -355,7 +183,7 @@ def simulate(meta: MetaModel, parallel: Any, world: int, options: ExportOptions,
                 progress(rank + 1, world)
     _add_file_work(ranks, plan, owners)
     coverage_ok = _covered(plan, total_counts)
-    stamp_s, index_s, verify_s = _metadata_seconds(meta, plan, options)
+    stamp_s, index_s, verify_s = metadata_seconds(meta, plan, options)
     return Simulation(world, plan, ranks, digests, coverage_ok, tiling.ok(), owners,
                       coverage_allreduce_bytes=8 * len(plan.tensors),
                       seconds=round(time.perf_counter() - started, 3), plan_seconds=round(plan_seconds, 4),
@@ -371,48 +199,10 @@ def _stage_work(meta: MetaModel, plan: ExportPlan, pipeline: Pipeline, options: 
                 held: Mapping[int, "_Held"]) -> StageWork:
     """What the export does across the stages beyond a plain export, and the share of the model's
     tensors the fullest pipeline rank holds (its state dict and replica names scale with it)."""
-    catalogue_s, catalogue_bytes, declared_s = _catalogue_seconds(meta, pipeline, options)
+    catalogue_s, catalogue_bytes, declared_s = catalogue_seconds(meta, pipeline, options)
     fraction = max(h.tensor_count for h in held.values()) / max(1, len(meta.state_dict))
     return StageWork(pipeline, catalogue_seconds=catalogue_s, catalogue_bytes=catalogue_bytes,
                      declared_seconds=declared_s, held_fraction=round(fraction, 4))
-
-
-def _catalogue_seconds(meta: MetaModel, pipeline: Pipeline, options: ExportOptions) -> tuple[float, int, float]:
-    """Seconds of the export's own code for the catalogues, on this model (cached per options):
-
-    * a rank's share of ``stages.merge_catalogues``: its stages' catalogue pickled, every pipeline
-      rank's unpickled (``all_gather_object``) and merged key by key (``stages._add_stage_key``);
-    * the largest pickled catalogue (``all_gather_object`` pads every rank's to it);
-    * rank 0's ``stages.check_declared`` (transformers' model for the config on the meta device),
-      with its per-process cache cleared, as the export's first call finds it.
-    """
-    key = ("catalogues", repr(options), pipeline)
-    if key not in meta.plans:
-        meta.plans[key] = _time_catalogues(meta, pipeline, options)
-    return meta.plans[key]
-
-
-def _time_catalogues(meta: MetaModel, pipeline: Pipeline, options: ExportOptions) -> tuple[float, int, float]:
-    whole = export_catalogue(meta.adapter, meta.state_dict, options, model=meta.model, config=meta.config)
-    parts = []
-    for pp_rank in range(pipeline.pp_size):
-        mine = {k: m for k, m in whole.metadata.items() if pipeline.pp_rank_of(k) == pp_rank}
-        parts.append(stages.catalogue_of(mine, whole.float32 & set(mine), whole.exact, pp_rank))
-    pickled = [_timed(pickle.dumps, stages._portable(c)) for c in parts]
-    group = RankGroup(0, pipeline.pp_size, tuple(range(pipeline.pp_size)))
-    with cyclic_gc_paused():
-        started = time.perf_counter()
-        metadata: dict = {}
-        holder: dict = {}
-        for pp_rank, (blob, _) in enumerate(pickled):
-            entries = pickle.loads(blob)[0]
-            for k, (shape, dtype) in entries.items():
-                stages._add_stage_key(metadata, holder, k, stages.TensorMeta(tuple(shape), dtype), pp_rank, group,
-                                      False)
-        merge_s = time.perf_counter() - started
-    stages._declared.cache_clear()
-    _, declared_s = _timed(stages.check_declared, whole, meta.adapter, RankGroup(0, 1, (0,)))
-    return (round(max(s for _, s in pickled) + merge_s, 4), max(len(b) for b, _ in pickled), round(declared_s, 4))
 
 
 class _Held:
@@ -453,40 +243,12 @@ class _Held:
         return counts if self.mask is None else counts * self.mask
 
 
-def _metadata_seconds(meta: MetaModel, plan: ExportPlan, options: ExportOptions) -> tuple[float, float, float]:
-    """Seconds of the export's own metadata code on this plan: ``plan.stamped`` (validate, every
-    rank), and rank 0's ``target.write_metadata_files`` (headers step) and
-    ``verify.verify_checkpoint`` (verify step) on a skeleton of the checkpoint: every planned file
-    created at full size (sparse) with its header by ``writer.write_headers``, in memory
-    (``/dev/shm`` where there is one, so the fsyncs cost nothing: the model counts file operations
-    apart). Cached per model and options."""
-    key = ("metadata seconds", repr(options))
-    if key not in meta.plans:
-        meta.plans[key] = _time_metadata(meta, plan, options)
-    return meta.plans[key]
-
-
-def _time_metadata(meta: MetaModel, plan: ExportPlan, options: ExportOptions) -> tuple[float, float, float]:
-    stamped, stamp_s = _timed(plan.stamped, export_id_of(new_export_id()))
-    model = meta.model
-    generation = model.generation_config if getattr(model, "can_generate", lambda: False)() else None
-    memory = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    with tempfile.TemporaryDirectory(prefix="nme-plan-", dir=memory) as folder:
-        write_headers(stamped, folder, [f.name for f in stamped.files])
-        _, index_s = _timed(write_metadata_files, folder, stamped, meta.config, options.torch_dtype, generation)
-        report, verify_s = _timed(verify_checkpoint, folder)
-    if not report.ok:  # the skeleton is the plan's checkpoint less its tensor bytes: it must verify
-        raise RuntimeError("the planner's checkpoint skeleton failed verification (a planner defect):\n"
-                           + report.summary())
-    return round(stamp_s, 4), round(index_s, 4), round(verify_s, 4)
-
-
 def _plan_and_expansion(meta: MetaModel, options: ExportOptions) -> tuple[ExportPlan, "_Expansion"]:
     """The export plan (rank-independent: ``step.export_plan_of`` on the full meta state dict) and
     its layer-group expansion, cached per model and options."""
     key = repr(options)
     if key not in meta.plans:
-        plan, seconds = _timed(export_plan_of, meta.adapter, meta.state_dict, options, model=meta.model,
+        plan, seconds = timed(export_plan_of, meta.adapter, meta.state_dict, options, model=meta.model,
                                config=meta.config)
         meta.plans[key] = (plan, _Expansion(meta, plan), seconds)
     return meta.plans[key]
@@ -534,11 +296,11 @@ def _simulate_rank(rank: int, world: int, state_dict: dict[str, torch.Tensor], m
     """The export's per-rank code on one simulated rank."""
     out = RankPlan(rank, byte_runs=[] if record_runs else None)
     expansion = tiling.expansion
-    shares, seconds = _timed(rank_write_shares, meta.adapter, state_dict, (rank, world))
+    shares, seconds = timed(rank_write_shares, meta.adapter, state_dict, (rank, world))
     out.share_seconds = seconds * held.scale
     # element_counts over the representative keys (a sub-plan of the same tensors), then every
     # member layer's key counts as its representative's
-    rep_counts, seconds = _timed(element_counts, expansion.rep_plan, shares)
+    rep_counts, seconds = timed(element_counts, expansion.rep_plan, shares)
     out.local_seconds = seconds * held.scale
     counts = held.counts(rep_counts, expansion)
     files: set[str] = set()
@@ -600,7 +362,7 @@ def _add_replica_work(out: RankPlan, replicated: dict[str, torch.Tensor], meta: 
                       held: _Held) -> None:
     """What the replica check (replicas.py) compares on this rank (``replicated``: the tensors
     ``step.replicated_tensors`` names, those of its stages), and what it all-reduces."""
-    sets, seconds = _timed(replica_sets, replicated, _Coordinator(out.rank, world))
+    sets, seconds = timed(replica_sets, replicated, SimulatedCoordinator(out.rank, world))
     out.local_seconds += seconds * held.scale
     held_count = {name: held.count(name, meta) for name in replicated}
     for entry in sets:
