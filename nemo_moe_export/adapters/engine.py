@@ -1,13 +1,13 @@
 """The one engine that maps a (possibly sharded) in-memory state dict to Hugging Face keys and back.
 
-Everything model-specific lives in a :class:`ModelTable` (see ``tables.py``): an ordered list of
-:class:`KeyRule` s. A rule says how one in-memory tensor becomes one or more HF tensors: renamed,
+Everything model-specific lives in a :class:`ModelTable` (see ``tables.py``; the rule types in
+``rules.py``): an ordered list of :class:`KeyRule` s. A rule says how one in-memory tensor becomes one or more HF tensors: renamed,
 split into equal parts along one dim, split per expert along dim 0, and/or transposed. Keys no rule
 matches keep their name (transformers 5 saves most keys as they are in memory).
 
 The engine works on *boxes*: the part of a global tensor a rank holds (``placement.local_box``). A
 rule maps an in-memory box to at most one box per HF tensor, and the local tensor of that HF box is
-a view of the rank's shard. The same mapping serves both directions:
+a view of the rank's shard (``pieces.py``). The same mapping serves both directions:
 
 * ``to_hf``  returns those views (nothing is copied);
 * ``from_hf`` copies exactly those boxes out of the HF files into the views (``get_slice`` reads
@@ -24,13 +24,11 @@ error before anything is touched.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import re
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,145 +36,15 @@ import torch.distributed as dist
 
 from nemo_moe_export.adapters.fp8 import open_source
 from nemo_moe_export.adapters.passthrough import group_place, read_passthrough, split_extra_keys
+from nemo_moe_export.adapters.pieces import interleaved_pieces, leading_rows, one_part, rule_pieces, target_key, viewed
 from nemo_moe_export.adapters.protocol import BaseStateDictAdapter, HFShard, LoadReport, TensorMeta
+from nemo_moe_export.adapters.rules import InMemoryFormat, KeyRule, LocalExperts, ModelTable, expert_rules
 from nemo_moe_export.adapters.sources import TensorDictSource
 from nemo_moe_export.errors import InputError, current_rank
 from nemo_moe_export.placement import LocalBox, local_box
 
 __all__ = ["InMemoryFormat", "KeyRule", "LocalExperts", "ModelTable", "StateDictAdapter", "expert_rules",
            "model_parts", "state_dict_of"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Declarative tables
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class KeyRule:
-    """How in-memory keys matching ``source`` become HF keys.
-
-    ``source`` is a regex matched against the whole in-memory key; ``targets`` are ``str.format``
-    templates over its named groups (plus ``{expert}`` for per-expert rules). With several
-    targets, the tensor (per expert, if ``per_expert``) is split into equal parts along
-    ``split_dim``, one per target, in order. ``transpose`` means the HF tensor is the transpose of
-    the 2-D part. ``group`` names rules that must appear together for the same ``prefix`` group
-    (an MoE layer needs both its gate/up and its down tensor).
-
-    For layouts that are not transformers' (megatron-core, docs/design.md#megatron-core-models):
-
-    * ``local_experts``: the tensor belongs to this rank's *local* experts. A named group ``local``
-      in ``source`` is the local expert index (one tensor per expert), or with ``per_expert`` dim 0
-      counts the local experts; the global ids are the model's own (:class:`LocalExperts` of the
-      MoE module named by the group ``moe``), never re-derived from ranks.
-    * ``experts_view``: with ``per_expert``, view the tensor as ``[experts, *experts_view]`` first
-      (ints or config field names; one entry may be -1), as the model itself views it.
-    * ``split_groups`` / ``split_units``: the split dim holds ``split_groups`` (a config field)
-      interleaved blocks, each with every target's part in order, parts sized in proportion to
-      ``split_units`` (config fields); the default is one block of equal parts.
-    * ``parts``: key suffixes (a named group ``part`` in ``source``) that name one target's piece
-      alone, in target order: such a key is that target, unsplit (megatron-core's GLU factory
-      pieces ``linear_fc1.weight_w`` / ``_v`` are the gate and up rows a TP rank holds).
-    * ``rows_field``: the HF tensor is the first ``config.<rows_field>`` rows of dim 0 (megatron
-      pads its vocabulary; the padding rows are neither written nor loaded).
-    """
-
-    source: str
-    targets: tuple[str, ...]
-    per_expert: bool = False
-    split_dim: int = 0
-    transpose: bool = False
-    group: str | None = None
-    local_experts: bool = False
-    experts_view: tuple[int | str, ...] | None = None
-    split_groups: str | None = None
-    split_units: tuple[str, ...] | None = None
-    parts: tuple[str, ...] = ()
-    rows_field: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_pattern", re.compile(self.source))
-
-    def match(self, key: str) -> re.Match[str] | None:
-        return self._pattern.fullmatch(key)  # type: ignore[attr-defined]
-
-
-def expert_rules(
-    experts: str, hf_experts: str, *, gate: str, up: str, down: str
-) -> tuple[KeyRule, ...]:
-    """Rules for one experts module in both in-memory layouts, to per-expert HF keys.
-
-    ``experts`` is a regex for the in-memory module path with a named group ``prefix``;
-    ``hf_experts`` the HF module path template. Layouts:
-
-    * transformers 5 fused: ``gate_up_proj`` [E, 2I, H] (gate rows first), ``down_proj`` [E, H, I];
-    * NeMo AutoModel grouped: ``gate_and_up_projs`` [E, H, 2I] (gate columns first; HF
-      ``gate = [e, :, :I].T``), ``down_projs`` [E, I, H] (HF ``down = [e].T``).
-    """
-    per = f"{hf_experts}.{{expert}}"
-    gate_t, up_t, down_t = f"{per}.{gate}.weight", f"{per}.{up}.weight", f"{per}.{down}.weight"
-    return (
-        KeyRule(rf"{experts}\.gate_up_proj", (gate_t, up_t), per_expert=True, split_dim=0, group="fused"),
-        KeyRule(rf"{experts}\.down_proj", (down_t,), per_expert=True, group="fused"),
-        KeyRule(
-            rf"{experts}\.gate_and_up_projs", (gate_t, up_t), per_expert=True, split_dim=1,
-            transpose=True, group="grouped",
-        ),
-        KeyRule(rf"{experts}\.down_projs", (down_t,), per_expert=True, transpose=True, group="grouped"),
-    )
-
-
-@dataclass(frozen=True)
-class ModelTable:
-    """Everything the engine needs to know about one model family.
-
-    ``rules`` are tried in order, first match wins; unmatched keys keep their name, unless
-    ``require_rule`` (a framework whose names are never transformers') makes them an error.
-    ``num_experts_fields`` are config attributes naming the routed-expert count, tried in order.
-    ``tied_keys`` are in-memory keys that alias another tensor when the config ties word
-    embeddings; transformers writes them once, so the engine skips them. ``fp8_weights`` are
-    regexes (``re.search`` over HF keys) of the weights the family's official FP8 checkpoints store
-    block-quantized; ``export.quantize=fp8_block`` quantizes those (docs/design.md#fp8-block-format).
-    """
-
-    model_types: tuple[str, ...]
-    rules: tuple[KeyRule, ...]
-    num_experts_fields: tuple[str, ...]
-    tied_keys: tuple[str, ...] = ("lm_head.weight",)
-    description: str = ""
-    require_rule: bool = False
-    fp8_weights: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class LocalExperts:
-    """The global ids of the routed experts one MoE module holds on every rank of its EP group, as
-    the model numbers them (megatron-core's ``local_expert_indices``, gathered from each EP rank).
-
-    ``by_ep_rank[r][i]`` is the global id of local expert ``i`` on EP rank ``r``; this rank is
-    ``ep_rank``.
-    """
-
-    by_ep_rank: tuple[tuple[int, ...], ...]
-    ep_rank: int
-
-    @property
-    def mine(self) -> tuple[int, ...]:
-        return self.by_ep_rank[self.ep_rank]
-
-    def at(self, slot: int) -> tuple[int, ...]:
-        """The global id of local expert ``slot`` on every EP rank."""
-        return tuple(ids[slot] for ids in self.by_ep_rank)
-
-
-@dataclass(frozen=True)
-class InMemoryFormat:
-    """How a framework's in-memory state dict differs from transformers': the table namespace its
-    keys are named in (``get_adapter`` looks up ``"{naming}:{model_type}"``) and the local experts
-    of each MoE module. A config carries it as ``in_memory_format`` (``nemo_moe_export.megatron``)."""
-
-    naming: str
-    local_experts: Mapping[str, LocalExperts] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,7 +127,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         for rule in self.table.rules:
             m = rule.match(key)
             if m is not None:
-                return _one_part(rule, m), m
+                return one_part(rule, m), m
         return None, None
 
     def _skipped(self, key: str) -> bool:
@@ -474,22 +342,22 @@ class StateDictAdapter(BaseStateDictAdapter):
                 part = list(inner)
                 if len(rule.targets) > 1:
                     part[rule.split_dim] = groups * size
-                yield _target(template, m, expert), tuple(reversed(part)) if rule.transpose else tuple(part)
+                yield target_key(template, m, expert), tuple(reversed(part)) if rule.transpose else tuple(part)
 
     def _pieces_of(self, key: str, rule: KeyRule, m: re.Match[str], box: LocalBox, merge: bool) -> Iterator[HFShard]:
         """This rank's HF pieces of one matched tensor (views; ``merge`` joins an interleaved split's
         per-group views of one HF tensor into one copy, as ``to_hf`` returns one piece per key)."""
         local = self._local_experts_of(key, rule, m)
         if rule.experts_view is not None:
-            box = _viewed(key, box, self._rule_shape(key, rule, m, box.global_shape))
+            box = viewed(key, box, self._rule_shape(key, rule, m, box.global_shape))
         if rule.rows_field is not None:
-            box = _leading_rows(box, self._config_int(rule.rows_field))
+            box = leading_rows(box, self._config_int(rule.rows_field))
         experts = None if local is None else (local.mine if rule.per_expert else (local.mine[int(m.group("local"))],))
         if rule.split_groups is None and rule.split_units is None:
-            yield from _rule_pieces(key, rule, m, box, experts)
+            yield from rule_pieces(key, rule, m, box, experts)
             return
         groups, sizes = self._split_sizes(key, rule, box.global_shape)
-        yield from _interleaved_pieces(key, rule, m, box, groups, sizes, merge)
+        yield from interleaved_pieces(key, rule, m, box, groups, sizes, merge)
 
     # ---- to_hf / from_hf ------------------------------------------------------------------------
 
@@ -659,93 +527,3 @@ def _cfg_get(config: Any, name: str, default: Any) -> Any:
 def _preview(keys: list[str], limit: int = 6) -> str:
     shown = ", ".join(keys[:limit])
     return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
-
-
-def _target(template: str, m: re.Match[str], expert: int | None) -> str:
-    return template.format(**m.groupdict(), expert=expert)
-
-
-def _one_part(rule: KeyRule, m: re.Match[str]) -> KeyRule:
-    """``rule`` for a key that names one target's piece alone (``parts``): that target, unsplit."""
-    part = m.groupdict().get("part")
-    if not part:
-        return rule
-    return dataclasses.replace(rule, targets=(rule.targets[rule.parts.index(part)],), parts=())
-
-
-def _leading_rows(box: LocalBox, rows: int) -> LocalBox:
-    """``box`` cut to the first ``rows`` rows of the global tensor (a view; a rank holding only
-    padding rows keeps an empty box, which yields no piece)."""
-    start = min(box.offsets[0], rows)
-    held = max(0, min(box.offsets[0] + box.local.shape[0], rows) - start)
-    return dataclasses.replace(box, global_shape=(rows, *box.global_shape[1:]),
-                               offsets=(start, *box.offsets[1:]), local=box.local.narrow(0, 0, held))
-
-
-def _viewed(key: str, box: LocalBox, shape: tuple[int, ...]) -> LocalBox:
-    """``box`` with its (whole) tensor viewed as ``shape``: a view, so loads write through."""
-    if any(box.offsets) or tuple(box.local.shape) != box.global_shape:
-        raise InputError("a tensor the table views as experts must be whole on each rank", key=key,
-                         expected=f"the whole {box.global_shape}",
-                         actual=f"{tuple(box.local.shape)} at {box.offsets}")
-    return dataclasses.replace(box, global_shape=shape, offsets=(0,) * len(shape), local=box.local.view(shape))
-
-
-def _interleaved_pieces(key: str, rule: KeyRule, m: re.Match[str], box: LocalBox, groups: int,
-                        sizes: list[int], merge: bool) -> Iterator[HFShard]:
-    """The parts of an interleaved split: target ``i`` is part ``i`` of every group (``sizes[i]``
-    rows of each ``sum(sizes)``-row block), in group order. One view per group, joined into one
-    copy when ``merge`` (a contiguous run of the in-memory dim always lands on a contiguous run of
-    each target)."""
-    d, block = rule.split_dim, sum(sizes)
-    start, stop = box.offsets[d], box.offsets[d] + box.local.shape[d]
-    first = 0
-    for template, size in zip(rule.targets, sizes):
-        runs = []  # (row in the target, view)
-        for g in range(groups):
-            lo, hi = max(g * block + first, start), min(g * block + first + size, stop)
-            if lo < hi:
-                runs.append((g * size + lo - g * block - first, box.local.narrow(d, lo - start, hi - lo)))
-        first += size
-        if merge and len(runs) > 1:
-            runs = [(runs[0][0], torch.cat([view for _, view in runs], dim=d))]
-        shape = tuple(groups * size if k == d else s for k, s in enumerate(box.global_shape))
-        for row, view in runs:
-            if view.numel():
-                offsets = tuple(row if k == d else o for k, o in enumerate(box.offsets))
-                yield HFShard(_target(template, m, None), shape, offsets, view, box.primary, key, None,
-                              box.replica, box.replicas)
-
-
-def _rule_pieces(key: str, rule: KeyRule, m: re.Match[str], box: LocalBox,
-                 experts: tuple[int, ...] | None = None) -> Iterator[HFShard]:
-    """Intersect this rank's box with each HF tensor the rule makes; yield views, not copies.
-    ``experts``: the global ids of the box's experts when the model numbers them (local experts)."""
-    if rule.per_expert:
-        first = box.offsets[0]
-        items = [(experts[i] if experts else first + i, box.local[i]) for i in range(box.local.shape[0])]
-        inner_offsets = box.offsets[1:]
-        inner_shape = box.global_shape[1:]
-    else:
-        items = [(experts[0] if experts else None, box.local)]
-        inner_offsets, inner_shape = box.offsets, box.global_shape
-    n_parts, d = len(rule.targets), rule.split_dim
-    part = inner_shape[d] // n_parts if inner_shape else 0
-    for expert, local in items:
-        if local.numel() == 0:
-            continue
-        for i, template in enumerate(rule.targets):
-            if n_parts == 1:
-                view, offsets, shape = local, inner_offsets, inner_shape
-            else:
-                lo = max(i * part, inner_offsets[d])
-                hi = min((i + 1) * part, inner_offsets[d] + local.shape[d])
-                if lo >= hi:
-                    continue
-                view = local.narrow(d, lo - inner_offsets[d], hi - lo)
-                offsets = tuple(lo - i * part if k == d else o for k, o in enumerate(inner_offsets))
-                shape = tuple(part if k == d else s for k, s in enumerate(inner_shape))
-            if rule.transpose:
-                view, offsets, shape = view.t(), tuple(reversed(offsets)), tuple(reversed(shape))
-            yield HFShard(_target(template, m, expert), tuple(shape), tuple(offsets), view,
-                          box.primary, key, expert, box.replica, box.replicas)
