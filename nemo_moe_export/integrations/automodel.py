@@ -52,7 +52,7 @@ from nemo_moe_export.plugin import plugin_hooks
 __all__ = ["AutoModelCausalLM", "AutoModelStateDictAdapter", "AutoPipelineCausalLM", "MoEExportFinetuneRecipe",
            "MoEExportRecipeMixin", "automodel_layout"]
 
-_INSTALL = "pip install --no-deps nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchao==0.18.0 (see the README)"
+_INSTALL = "pip install --no-deps nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchao==0.18.0 (see docs/automodel.md)"
 
 
 class AutoModelCausalLM:
