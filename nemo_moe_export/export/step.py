@@ -428,8 +428,7 @@ def export_catalogue(adapter: StateDictAdapter, state_dict: Mapping[str, torch.T
     kept in their own dtype). Pure: global shapes only."""
     extras = dict(extras or {})
     sources = adapter.hf_source_keys(state_dict)
-    float32 = float32_keys(fp32_patterns(options.torch_dtype, model, config if config is not None else adapter.config),
-                           sources)
+    float32 = float32_keys(fp32_patterns(options.torch_dtype, config if config is not None else adapter.config), sources)
     return catalogue_of(_all_metadata(adapter, state_dict, extras), float32, frozenset(extras), pp_rank)
 
 
