@@ -32,6 +32,8 @@ class ServingKeys:
     derived: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict)
     # Official keys deliberately not written, with why (the tests hold the published configs to this).
     not_needed: Mapping[str, str] = field(default_factory=dict)
+    # Keys without which an engine computes another model (its default differs): verify requires them.
+    required: tuple[str, ...] = ()
 
 
 def _rope_theta(config: Mapping[str, Any]) -> Any:
@@ -85,7 +87,7 @@ SERVING_KEYS = (
     ServingKeys(
         model_types=("deepseek_v3", "kimi_k2"), transformers_type="deepseek_v3",
         fixed={"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1},
-        derived=_ROPE,
+        derived=_ROPE, required=("topk_method", "scoring_func"),
         not_needed={"ep_size": "DeepSeek's remote code's expert-parallel size at inference, not the weights'"},
     ),
     # transformers 5 writes the expert count as num_local_experts; the official key is num_experts.
@@ -101,6 +103,9 @@ SERVING_KEYS = (
         fixed={"mla_use_nope": True, "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
                "moe_layer_freq": 1},
         derived={"linear_attn_config": _linear_attn_config, "first_k_dense_replace": _first_k_dense},
+        # vLLM defaults mla_use_nope to false (it would rotate) and, without linear_attn_config, builds
+        # every layer as MLA.
+        required=("mla_use_nope", "linear_attn_config"),
     ),
 )
 

@@ -54,14 +54,15 @@ def write_config_json(directory: str, config: Any, dtype: torch.dtype | None,
     vars(config).pop("quantization_config", None)
     if quantization is not None:
         config.quantization_config = dict(quantization)
-    model_class = causal_lm_class(getattr(config, "model_type", None))
+    full = config.to_dict()  # what save_pretrained writes (the class's model_type, not an instance's)
+    model_class = causal_lm_class(full.get("model_type"))
     if model_class is not None:
         config.architectures = [model_class.__name__]
     config.save_pretrained(directory)  # its own JSON spelling; the keys engines need are added below
     path = os.path.join(directory, CONFIG_FILE)
     with open(path) as f:
         values = json.load(f)
-    values.update(serving_keys(config.to_dict()))
+    values.update(serving_keys(full))
     if dtype is not None:
         values.update(dict.fromkeys(DTYPE_KEYS, str(dtype).removeprefix("torch.")))
     with open(path, "w") as f:
