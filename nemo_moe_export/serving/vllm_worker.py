@@ -20,6 +20,9 @@ import os
 import sys
 import time
 
+# Run as a script, this file's folder heads sys.path: vLLM must not find the package's modules there.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
 # One process, no engine subprocess, a small KV cache, threads as the machine has them
 # (set before vLLM is imported, which reads them then).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
