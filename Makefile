@@ -56,12 +56,13 @@ $(VLLM_STAMP): Makefile
 
 # NEMO_MOE_EXPORT_VLLM_PYTHON names the vLLM interpreter to the serving tests.
 test: setup setup-vllm
-	HF_HUB_OFFLINE=1 NEMO_MOE_EXPORT_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 NEMO_MOE_EXPORT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The main job on its embedded default: train a tiny DeepSeek-V3 MoE on 4 CPU ranks, evaluate MMLU,
-# export to Hugging Face format without a gather, verify and reload. Outputs in runs/deepseek_v3_tiny.
+# export to Hugging Face format without a gather, verify and reload (and serve with vLLM where
+# .venv-vllm is present: `make setup-vllm`). Outputs in runs/deepseek_v3_tiny.
 demo: setup
-	HF_HUB_OFFLINE=1 $(PY) -m nemo_moe_export recipe=deepseek_v3_tiny export.overwrite=replace --nproc 4
+	HF_HUB_OFFLINE=1 $(if $(wildcard $(VLLM_STAMP)),NEMO_MOE_EXPORT_VLLM_PYTHON=$(abspath $(VLLM_PY))) $(PY) -m nemo_moe_export recipe=deepseek_v3_tiny export.overwrite=replace --nproc 4
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/adapter_bench.py

@@ -133,6 +133,11 @@ def test_cli_under_torchrun_runs_every_stage(trained_run):
     assert (run_dir / "hf" / "tokenizer.json").exists()
     assert (run_dir / "config.json").exists() and (run_dir / "logs" / "rank3.log").exists()
     assert "summary" in proc.stdout and "verify : OK" in proc.stdout
+    from nemo_moe_export.serving.vllm_logprobs import vllm_python
+
+    if vllm_python() is not None:  # make test names vLLM's environment: the demo's dims are not vLLM CPU's
+        assert "not served here" in results["verify"]["vllm"] and "kv_lora_rank" in results["verify"]["vllm"]
+        assert "serve  : vLLM: not served here" in proc.stdout
 
 
 def test_single_stage_from_a_saved_checkpoint(trained_run, tmp_path):

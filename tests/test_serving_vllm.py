@@ -118,10 +118,11 @@ def _megatron_export(workdir):
 
     cpu_patches.apply()
     ps.initialize_model_parallel(expert_model_parallel_size=2)
-    gpt = build_gpt(tiny_transformer_config("qwen3_moe", n_experts=4, kv_channels=32), vocab_size=VOCAB)
-    init_by_hf_name(gpt, seed=0, std=0.3)  # logits that decide most positions, like the other cases'
-    export_hf_checkpoint(os.path.join(workdir, "qwen3_moe-megatron-ep2-bf16"), MegatronCausalLM(gpt),
-                         dtype="bfloat16", timeout_s=120)
+    model = MegatronCausalLM(build_gpt(tiny_transformer_config("qwen3_moe", n_experts=4, kv_channels=32),
+                                       vocab_size=VOCAB))
+    init_by_hf_name(model, seed=0)
+    export_hf_checkpoint(os.path.join(workdir, "qwen3_moe-megatron-ep2-bf16"), model, dtype="bfloat16",
+                         timeout_s=120)
     ps.destroy_model_parallel()
 
 

