@@ -445,8 +445,8 @@ def export_plan_of(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Ten
 
     Pure: global shapes and dtypes only, so every rank computes the same plan; the export's
     validate step and the planner (docs/design.md#planner) both call it. ``extras`` are the extra
-    tensors' pieces (their own dtype is kept); ``model`` / ``config`` say what transformers keeps
-    in float32 (``casting.py``).
+    tensors' pieces (their own dtype is kept); ``config``'s model_type says what transformers keeps
+    in float32 (``casting.py``: transformers' class for it, whatever ``model``'s class says).
     """
     return plan_of(export_catalogue(adapter, state_dict, options, extras=extras, model=model, config=config),
                    options)
