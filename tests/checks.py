@@ -59,3 +59,41 @@ def stored_tensors(path: str) -> dict:
         if name.endswith(".safetensors"):
             out.update(load_file(os.path.join(path, name)))
     return out
+
+
+def assert_serving_config(path: str, reference: str | None = None, *, model_type: str | None = None) -> dict:
+    """``config.json`` of the export in ``path`` is what serving engines load (docs/design.md#serving-engines):
+    a causal-LM ``architectures`` entry (transformers' class for the ``model_type``), ``dtype`` and
+    ``torch_dtype`` equal to the dtype its files hold, the family's official keys with the table's
+    values; with ``reference`` (a ``save_pretrained`` folder of the same weights), every key that
+    ``config.json`` holds there holds the same value here, and every tensor has its dtype there.
+    Returns the config."""
+    import json
+    import os
+
+    from nemo_moe_export.adapters.tables_serving import causal_lm_class, serving_table
+    from nemo_moe_export.export.config_json import files_dtype
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    model_type = model_type or config["model_type"]
+    assert config["model_type"] == model_type, (config["model_type"], model_type)
+    assert config["architectures"] == [causal_lm_class(model_type).__name__], config["architectures"]
+    assert config["architectures"][0].endswith("ForCausalLM")
+    tensors = stored_tensors(path)
+    written = str(files_dtype((t.dtype, t.numel()) for t in tensors.values())).removeprefix("torch.")
+    assert config["dtype"] == config["torch_dtype"] == written, (config["dtype"], config["torch_dtype"], written)
+    table = serving_table(model_type)
+    for key, value in (table.fixed.items() if table else ()):
+        assert config[key] == value, (key, config.get(key), value)
+    if model_type in ("deepseek_v3", "kimi_k2"):  # the official checkpoints' values (tests/test_planner.py)
+        assert (config["topk_method"], config["scoring_func"]) == ("noaux_tc", "sigmoid")
+    if reference is not None:
+        with open(os.path.join(reference, "config.json")) as f:
+            expected = json.load(f)
+        differ = {k: (config.get(k), v) for k, v in expected.items() if config.get(k) != v}
+        assert not differ, f"config.json keys unlike save_pretrained's (ours, theirs): {differ}"
+        theirs = stored_tensors(reference)
+        dtypes = {k: (t.dtype, theirs[k].dtype) for k, t in tensors.items() if k in theirs and t.dtype != theirs[k].dtype}
+        assert not dtypes, f"dtypes unlike save_pretrained's (ours, theirs): {dtypes}"
+    return config

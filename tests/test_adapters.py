@@ -176,3 +176,32 @@ def test_from_hf_reads_sharded_checkpoints_through_the_index(deepseek, tmp_path)
     target = tiny_model("deepseek_v3", n_experts=5, seed=7)
     get_adapter(target.config).from_hf(target.state_dict(), str(tmp_path))
     assert _unchanged(target.state_dict(), _snapshot(model.state_dict()))
+
+
+@pytest.mark.parametrize("official", ["deepseek_v3", "kimi_k2", "qwen3_moe"])
+def test_config_json_carries_every_official_key_a_transformers_config_lacks(official, tmp_path):
+    """The published config as transformers holds it (its class drops the table's keys, or spells
+    them otherwise) is written back with every official key at its official value, or one the
+    serving table names as not needed (docs/design.md#serving-engines)."""
+    import copy
+
+    from official_configs import DEEPSEEK_V3, KIMI_K2, QWEN3_235B
+    from nemo_moe_export.adapters.tables_serving import serving_table
+    from nemo_moe_export.export.config_json import write_config_json
+    from nemo_moe_export.planner.model import hf_config_from_dict
+
+    values = copy.deepcopy({"deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2, "qwen3_moe": QWEN3_235B}[official])
+    table = serving_table(values["model_type"])
+    # A config built by transformers has no fixed key (tests/test_export.py builds one); the
+    # derived ones it reads and writes back in its own spelling.
+    held = hf_config_from_dict({k: v for k, v in copy.deepcopy(values).items() if k not in table.fixed})
+    held.save_pretrained(tmp_path / "transformers")
+    plain = json.loads((tmp_path / "transformers" / "config.json").read_text())
+    assert not set(plain) & {*table.fixed, *table.derived}, "the table restates a key transformers writes"
+    write_config_json(str(tmp_path), held, torch.bfloat16)
+    written = json.loads((tmp_path / "config.json").read_text())
+    ignored = {"transformers_version"} | set(serving_table(values["model_type"]).not_needed)
+    if official == "kimi_k2":  # written as DeepSeek-V3's class writes it: the published kimi_k2 type
+        ignored.add("model_type")  # needs Moonshot's remote code (auto_map); the model is the same
+    differ = {k: (written.get(k), v) for k, v in values.items() if k not in ignored and written.get(k) != v}
+    assert not differ, f"official keys written otherwise (ours, official): {differ}"

@@ -209,6 +209,9 @@ def _ep_case(rank: int, family: str, root: str, mmlu_inputs: tuple[str, str] | N
 
     out_dir = os.path.join(root, f"{family}_ep")
     result = export_hf_checkpoint(out_dir, model)
+    # The fp32 model exported in bf16: which tensors stay fp32 is transformers' rule for the family,
+    # not AutoModel's class's (docs/design.md#casting-like-transformers).
+    export_hf_checkpoint(out_dir + "_as_bf16", model, dtype="bfloat16")
     full = _full_state_dict([model])
 
     fresh = build(family, seed=7)
@@ -599,6 +602,25 @@ def test_every_tensor_byte_is_written_once(ranks, case):
     written = sum(r[case]["stats"]["rank_bytes_written"] for r in ranks)
     assert written == ranks[0][case]["stats"]["checkpoint_bytes"] == tensor_bytes_on_disk(path)
     assert all(r[case]["stats"]["rank_bytes_written"] > 0 for r in ranks)
+
+
+@pytest.mark.parametrize("case", ("deepseek_v3_ep", "qwen3_moe_ep"))
+def test_config_json_and_dtypes_are_transformers_save_pretrained_s(ranks, case, tmp_path):
+    """The AutoModel door (EP2 x FSDP2): config.json and every tensor's dtype are what transformers'
+    save_pretrained writes for the same weights, in the model's fp32 and exported in bf16, where
+    transformers keeps DeepSeek-V3's router gate.weight in fp32 (AutoModel's class names only
+    e_score_correction_bias; docs/design.md#serving-engines)."""
+    from transformers import AutoModelForCausalLM
+
+    from checks import assert_serving_config, stored_tensors
+
+    path = ranks[0][case]["path"]
+    for dtype in ("float32", "bfloat16"):
+        AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).save_pretrained(tmp_path / dtype)
+    assert_serving_config(path, str(tmp_path / "float32"))
+    assert_serving_config(path + "_as_bf16", str(tmp_path / "bfloat16"))
+    if case == "deepseek_v3_ep":
+        assert stored_tensors(path + "_as_bf16")["model.layers.1.mlp.gate.weight"].dtype == torch.float32
 
 
 def test_bf16_export_keeps_automodels_dtypes(references):

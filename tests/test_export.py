@@ -173,3 +173,25 @@ def test_local_filesystem_mode_in_one_process(model, tmp_path):
                                   staging_bytes=4096)
     assert result.rank_bytes_written == result.checkpoint_bytes and result.files > 1
     assert verify_checkpoint(tmp_path / "out").ok
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "kimi_linear"])
+@pytest.mark.parametrize("dtype", ["bfloat16", None])
+def test_config_json_and_dtypes_are_save_pretrained_s_for_a_model_built_from_config(family, dtype, tmp_path):
+    """A model as a training job holds it (``from_config``: its config has no ``architectures``):
+    config.json has every key ``save_pretrained`` writes, the causal-LM class and the files' dtype,
+    and every tensor is in the dtype save_pretrained writes (docs/design.md#serving-engines)."""
+    from transformers import AutoModelForCausalLM
+
+    from checks import assert_serving_config
+    from nemo_moe_export.tiny_models import tiny_config
+
+    torch.manual_seed(0)
+    trained = AutoModelForCausalLM.from_config(tiny_config(family))
+    assert not trained.config.architectures
+    export_hf_checkpoint(str(tmp_path / "export"), trained, dtype=dtype)
+    reference = AutoModelForCausalLM.from_config(tiny_config(family), dtype=getattr(torch, dtype or "float32"))
+    reference.load_state_dict(trained.state_dict())
+    reference.save_pretrained(tmp_path / "reference")
+    config = assert_serving_config(str(tmp_path / "export"), str(tmp_path / "reference"))
+    assert config["dtype"] == (dtype or "float32")

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
+from checks import assert_serving_config
 import torch
 
 from bounds import FP32_LOGITS, check_figure, relative_error
@@ -120,6 +121,9 @@ def test_export_loads_with_transformers_and_matches(case, exported):
     report = verify_checkpoint(path, reference=os.path.join(workdir, case.name + "-ref"))
     assert report.ok, report.summary()
     assert report.compared == report.tensors
+    # The sharded doors (FSDP2, HSDP, EP x FSDP2 grouped): config.json and every tensor's dtype as
+    # save_pretrained writes them (docs/design.md#serving-engines).
+    assert_serving_config(path, os.path.join(workdir, case.name + "-ref"))
 
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

@@ -22,6 +22,7 @@ import json
 import os
 
 import pytest
+from checks import assert_serving_config
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -246,6 +247,9 @@ def test_bf16_export_equals_transformers_bf16_save_pretrained(family, run, tmp_p
     AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
     report = verify_checkpoint(os.path.join(workdir, f"cast-{family}"), reference=str(tmp_path / "bf16"))
     assert report.ok and report.compared == report.tensors, report.summary()
+    # config.json as save_pretrained writes it, the causal-LM class and the files' dtype included
+    # (docs/design.md#serving-engines): the sharded FSDP2 door.
+    assert_serving_config(os.path.join(workdir, f"cast-{family}"), str(tmp_path / "bf16"))
     kept = {k for k, v in _read(str(tmp_path / "bf16")).items() if v.dtype == torch.float32}
     if family == "qwen3_moe":
         assert not kept  # a family that keeps nothing in fp32: the plain cast

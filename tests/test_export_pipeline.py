@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
+from checks import assert_serving_config
 import torch
 
 from nemo_moe_export.spawn import spawn
@@ -208,6 +209,7 @@ def test_pipeline_export_equals_save_pretrained_of_the_unsplit_model(case, expor
     assert all(r.rank_bytes_written > 0 for r in results)  # every stage wrote its own part
     report = verify_checkpoint(path, reference=reference)  # every tensor: dtype and value
     assert report.ok and report.compared == report.tensors, report.summary()
+    assert_serving_config(path, reference)  # the pipeline door's config.json (docs/design.md#serving-engines)
 
     with open(os.path.join(path, "model.safetensors.index.json")) as f:
         weight_map = json.load(f)["weight_map"]

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from bounds import Bound, check_figure
 from nemo_moe_export.spawn import spawn
-from checks import stored_tensors
+from checks import assert_serving_config, stored_tensors
 
 SIZES = dict(hidden_size=200, moe_intermediate_size=136, vocab_size=64)
 BLOCK = 128
@@ -194,6 +194,9 @@ def test_sharded_fp8_export_equals_whole_tensor_quantization_byte_for_byte(case,
     with open(os.path.join(path, "config.json")) as f:
         declared = json.load(f)["quantization_config"]
     assert declared == {**CONFIG, **({"scale_fmt": case.scale_fmt} if case.scale_fmt else {})}
+    # The FP8 door: a causal-LM class, the dtype of the weights not quantized (as DeepSeek's FP8
+    # config declares bfloat16), the family's keys (docs/design.md#serving-engines).
+    assert_serving_config(path)
     assert verify_checkpoint(path).ok, verify_checkpoint(path).summary()
     # Every byte written once (scales by their one owner each), from the shards.
     results = [r[case.name] for r in per_rank]

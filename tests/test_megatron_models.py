@@ -272,8 +272,10 @@ def test_naive_split_stalls_in_megatrons_all_to_all_and_every_rank_reports_it(ru
 
 
 @pytest.mark.parametrize("family", sorted(EXPERTS))
-def test_export_loads_in_transformers_matches_the_model_and_each_tensor(family, runs):
+def test_export_loads_in_transformers_matches_the_model_and_each_tensor(family, runs, tmp_path):
     from transformers import AutoModelForCausalLM
+
+    from checks import assert_serving_config
 
     from nemo_moe_export.export import verify_checkpoint
 
@@ -285,6 +287,9 @@ def test_export_loads_in_transformers_matches_the_model_and_each_tensor(family, 
 
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    # The megatron-core door: config.json and dtypes as transformers writes the same weights.
+    model.save_pretrained(tmp_path / "reference")
+    assert_serving_config(path, str(tmp_path / "reference"))
     with torch.no_grad():
         hf_logits = model(INPUT).logits
     for rank, r in enumerate(per_rank):  # fp32 megatron vs transformers on the exported checkpoint

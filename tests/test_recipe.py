@@ -134,6 +134,11 @@ def test_cli_under_torchrun_runs_every_stage(trained_run):
     assert (run_dir / "hf" / "tokenizer.json").exists()
     assert (run_dir / "config.json").exists() and (run_dir / "logs" / "rank3.log").exists()
     assert "summary" in proc.stdout and "verify : OK" in proc.stdout
+    from nemo_moe_export.serving.vllm_logprobs import vllm_python
+
+    if vllm_python() is not None:  # make test names vLLM's environment: the demo's dims are not vLLM CPU's
+        assert "not served here" in results["verify"]["vllm"] and "kv_lora_rank" in results["verify"]["vllm"]
+        assert "serve  : vLLM: not served here" in proc.stdout
 
 
 def test_single_stage_from_a_saved_checkpoint(trained_run, tmp_path):
@@ -154,6 +159,15 @@ def test_single_stage_from_a_saved_checkpoint(trained_run, tmp_path):
             again.update(load_file(second / "hf" / name))
     assert first.keys() == again.keys()
     assert all((first[k] == again[k]).all() for k in first)
+    # The export.from_checkpoint door: config.json and dtypes as transformers writes the same weights
+    # (loaded in the dtype the config declares), and as the export right after training wrote them.
+    from transformers import AutoModelForCausalLM
+
+    from checks import assert_serving_config
+
+    AutoModelForCausalLM.from_pretrained(second / "hf", dtype="auto").save_pretrained(tmp_path / "reference")
+    config = assert_serving_config(str(second / "hf"), str(tmp_path / "reference"))
+    assert config == json.loads((run_dir / "hf" / "config.json").read_text())
 
 
 def test_a_task_from_yaml_alone_runs_through_the_recipe(tmp_path):

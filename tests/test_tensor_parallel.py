@@ -30,7 +30,7 @@ from bounds import FP32_GRADS, FP32_LOGITS, check_figure, judge_answers, relativ
 from nemo_moe_export.spawn import spawn
 from test_fp8_export import FP8_RULE, reference_fp8
 from test_mmlu_eval import BATCH, K_SHOT, ForwardCounter, _plan, load_split_data, write_mmlu_inputs
-from checks import stored_tensors
+from checks import assert_serving_config, stored_tensors
 
 WORLD = 4
 SUBJECTS = {"abstract_algebra": 5, "philosophy": 5, "sociology": 6, "virology": 4}  # 20 questions, 5 batches
@@ -211,14 +211,18 @@ def ranks(inputs):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """``save_pretrained`` of each unsharded model: the references the exports must equal."""
+def saved_dirs(tmp_path_factory):
+    """``save_pretrained`` of each unsharded model, by family: the references the exports must equal."""
     out = {}
     for family in FAMILY_KW:
-        path = tmp_path_factory.mktemp(f"saved-{family}")
-        build_model(family).save_pretrained(path)
-        out[family] = stored_tensors(str(path))
+        out[family] = str(tmp_path_factory.mktemp(f"saved-{family}"))
+        build_model(family).save_pretrained(out[family])
     return out
+
+
+@pytest.fixture(scope="module")
+def saved(saved_dirs):
+    return {family: stored_tensors(path) for family, path in saved_dirs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -299,12 +303,13 @@ def test_tp_fsdp_forward_and_gradients_equal_the_unsharded_model(family, ranks):
 
 
 @pytest.mark.parametrize("case", ["tp-deepseek_v3", "tp-qwen3_moe", "cp-deepseek_v3"])
-def test_export_equals_save_pretrained_and_writes_each_byte_once(case, ranks, inputs, saved):
+def test_export_equals_save_pretrained_and_writes_each_byte_once(case, ranks, inputs, saved, saved_dirs):
     from nemo_moe_export.export import verify_checkpoint
 
     family = case.split("-", 1)[1]
     path = os.path.join(inputs["out"], case)
     _assert_equal_tensors(stored_tensors(path), saved[family], case)
+    assert_serving_config(path, saved_dirs[family])  # the TP / CP door (docs/design.md#serving-engines)
     assert verify_checkpoint(path).ok
     results = [r[case]["export"] for r in ranks]
     assert sum(r["bytes"] for r in results) == results[0]["total"]

@@ -9,8 +9,10 @@ regex (``*`` -> ``.*``, ``core_model_loading.build_glob_alternation``) and searc
 in-memory parameter name; we do the same, so an export with ``dtype=`` equals ``save_pretrained``
 of the same weights in a model built in that dtype (docs/design.md#casting-like-transformers).
 
-The patterns are read from the model class, never from a list of ours: the model passed, else the
-class ``AutoModelForCausalLM`` maps the config to.
+Which tensors stay float32 is a property of the family's HF format, not of the in-memory class: the
+patterns are read from transformers' causal-LM class for the config's ``model_type`` on every door
+(NeMo AutoModel's DeepSeek-V3 class names only ``e_score_correction_bias``, transformers' also the
+router ``gate.weight``), never from a list of ours.
 """
 
 from __future__ import annotations
@@ -20,17 +22,19 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from nemo_moe_export.adapters.tables_serving import causal_lm_class
 
 __all__ = ["float32_keys", "fp32_patterns"]
 
 
-def fp32_patterns(dtype: torch.dtype | None, model: Any = None, config: Any = None) -> tuple[str, ...]:
-    """The glob patterns transformers keeps in float32 for a model built in ``dtype``."""
+def fp32_patterns(dtype: torch.dtype | None, config: Any = None) -> tuple[str, ...]:
+    """The glob patterns transformers keeps in float32 for a model of ``config`` (a config object or
+    a dict) built in ``dtype``."""
     if dtype not in (torch.float16, torch.bfloat16):
         return ()
-    source = model if _declares_fp32(model) else _model_class(config)
+    model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
+    source = causal_lm_class(model_type)
     if source is None:
         return ()
     patterns = set(getattr(source, "_keep_in_fp32_modules_strict", None) or ())
@@ -48,26 +52,3 @@ def float32_keys(patterns: Iterable[str], source_keys: Mapping[str, str]) -> fro
         return frozenset()
     alternation = re.compile("|".join(f"(?:{p.replace('*', '.*')})" for p in patterns))
     return frozenset(hf for hf, mem in source_keys.items() if alternation.search(mem) or alternation.search(hf))
-
-
-def _declares_fp32(model: Any) -> bool:
-    return model is not None and (hasattr(model, "_keep_in_fp32_modules_strict")
-                                  or hasattr(model, "_keep_in_fp32_modules"))
-
-
-def _model_class(config: Any) -> Any:
-    """The causal-LM class transformers builds for ``config`` (a config object or a dict), or None."""
-    if config is None:
-        return None
-    if isinstance(config, Mapping):
-        model_type = config.get("model_type")
-        if model_type is None:
-            return None
-        try:
-            config = AutoConfig.for_model(model_type)
-        except (KeyError, ValueError):
-            return None
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        return None

@@ -428,8 +428,7 @@ def export_catalogue(adapter: StateDictAdapter, state_dict: Mapping[str, torch.T
     kept in their own dtype). Pure: global shapes only."""
     extras = dict(extras or {})
     sources = adapter.hf_source_keys(state_dict)
-    float32 = float32_keys(fp32_patterns(options.torch_dtype, model, config if config is not None else adapter.config),
-                           sources)
+    float32 = float32_keys(fp32_patterns(options.torch_dtype, config if config is not None else adapter.config), sources)
     return catalogue_of(_all_metadata(adapter, state_dict, extras), float32, frozenset(extras), pp_rank)
 
 
@@ -446,8 +445,8 @@ def export_plan_of(adapter: StateDictAdapter, state_dict: Mapping[str, torch.Ten
 
     Pure: global shapes and dtypes only, so every rank computes the same plan; the export's
     validate step and the planner (docs/design.md#planner) both call it. ``extras`` are the extra
-    tensors' pieces (their own dtype is kept); ``model`` / ``config`` say what transformers keeps
-    in float32 (``casting.py``).
+    tensors' pieces (their own dtype is kept); ``config``'s model_type says what transformers keeps
+    in float32 (``casting.py``: transformers' class for it, whatever ``model``'s class says).
     """
     return plan_of(export_catalogue(adapter, state_dict, options, extras=extras, model=model, config=config),
                    options)

@@ -14,11 +14,11 @@ next export if a crash left the target empty. Everything here runs on rank 0 onl
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import errno
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from nemo_moe_export.errors import InputError
+from nemo_moe_export.export.config_json import files_dtype, write_config_json
 from nemo_moe_export.export.plan import ExportPlan
 from nemo_moe_export.safetensors_format import INDEX_FILE, SUFFIX
 
@@ -335,22 +336,16 @@ def _tree_bytes(path: str) -> int:
 def write_metadata_files(directory: str, plan: ExportPlan, config: Any, dtype: torch.dtype | None,
                          generation_config: Any = None, tokenizer: Any = None,
                          quantization: dict[str, Any] | None = None) -> None:
-    """The index, ``config.json`` (with the exported ``dtype``, and ``quantization`` as its
-    ``quantization_config``), the generation config and the tokenizer files, each fsynced."""
+    """The index, ``config.json`` (``config_json.py``: with the dtype ``plan``'s files hold, and
+    ``quantization`` as its ``quantization_config``), the generation config and the tokenizer
+    files, each fsynced. ``dtype``, the export's, is what the files hold where ``plan`` holds no
+    floating tensor."""
     with open(os.path.join(directory, INDEX_FILE), "w") as f:
         f.write(plan.index_json())
         f.flush()
         os.fsync(f.fileno())
-    config = copy.deepcopy(config)  # the live model's config keeps its own dtype
-    if dtype is not None:
-        config.dtype = dtype
-    # What the files hold, never a stale claim: a model loaded from an FP8 checkpoint keeps that
-    # checkpoint's quantization_config, which an export in another format must drop
-    # (docs/design.md#fp8-export).
-    vars(config).pop("quantization_config", None)
-    if quantization is not None:
-        config.quantization_config = dict(quantization)
-    config.save_pretrained(directory)
+    written = files_dtype((t.dtype, math.prod(t.shape)) for t in plan.tensors.values())
+    write_config_json(directory, config, written or dtype, quantization)
     if generation_config is not None:
         generation_config.save_pretrained(directory)
     if tokenizer is not None:

@@ -19,6 +19,10 @@ and the index and reports every problem it finds:
   per-shard width along its split dim is a whole number of blocks (vLLM and SGLang refuse to load
   it otherwise), and the MTP layer is there when ``num_nextn_predict_layers`` says so
   (docs/design.md#fp8-export);
+* ``config.json`` serves (docs/design.md#serving-engines): ``architectures`` names a causal-LM
+  class, ``dtype`` / ``torch_dtype`` (each one present, and at least one) equal the dtype the files
+  hold, the family's required keys are there and its fixed keys hold their values
+  (``adapters/tables_serving.py``);
 * optionally, every tensor equals a reference checkpoint or state dict.
 
 :func:`compare_with_shards` is the distributed equality check: every rank compares the parts of
@@ -29,6 +33,7 @@ checked tensor for tensor with no gather.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections import defaultdict
@@ -41,7 +46,9 @@ from safetensors import safe_open
 
 from nemo_moe_export.adapters import SafetensorsSource, get_adapter
 from nemo_moe_export.adapters.fp8 import FP8_BLOCK, SCALE_SUFFIX, fp8_block_size
+from nemo_moe_export.adapters.tables_serving import causal_lm_class, serving_table
 from nemo_moe_export.errors import InputError
+from nemo_moe_export.export.config_json import DTYPE_KEYS, files_dtype
 from nemo_moe_export.safetensors_format import (
     EXPORT_ID_KEY,
     INDEX_FILE,
@@ -51,6 +58,7 @@ from nemo_moe_export.safetensors_format import (
     TensorEntry,
     check_file,
     read_header,
+    torch_dtype,
     read_weight_map,
 )
 
@@ -184,6 +192,8 @@ def verify_checkpoint(path: str | os.PathLike[str], reference=None, *, tp: Seque
     _same_export(path, files, report)
     config = _read_config(path, report)
     _expert_checks(sorted(where), config, report)
+    if config is not None:
+        _config_checks(config, entries, report)
     block = _fp8_checks(path, entries, config, report)
     if tp:
         _serve_checks(entries, block or FP8_BLOCK, config or {}, tp, report)
@@ -334,6 +344,44 @@ _TP_COLUMN = re.compile(r"\.(gate_proj|up_proj|w1|w3|q_proj|k_proj|v_proj|q_b_pr
 _TP_ROW = re.compile(r"\.(down_proj|w2|o_proj)\.weight$")
 _KV = re.compile(r"\.(k_proj|v_proj)\.weight$")
 MTP_MODULES = ("enorm.weight", "hnorm.weight", "eh_proj.weight")  # what only an MTP layer has
+
+
+def _config_checks(config: Mapping, entries: dict[str, TensorEntry], report: VerifyReport) -> None:
+    """What serving engines read from ``config.json`` (docs/design.md#serving-engines)."""
+    text = _text_config(config)
+    architectures = config.get("architectures")
+    if not (isinstance(architectures, list) and architectures and str(architectures[0]).endswith("ForCausalLM")):
+        expected = getattr(causal_lm_class(text.get("model_type")), "__name__", "a ...ForCausalLM class")
+        report.problems.append(f"config.json: architectures is {architectures!r}, expected [{expected!r}] "
+                               "(vLLM resolves the bare model otherwise and refuses to generate); re-export it")
+    written = files_dtype((torch_dtype(e.dtype), math.prod(e.shape)) for e in entries.values() if _known(e.dtype))
+    declared = {k: config[k] for k in DTYPE_KEYS if config.get(k) is not None}
+    if not declared:
+        report.problems.append(f"config.json declares no dtype: expected dtype and torch_dtype {_name(written)!r}")
+    for key, value in declared.items():
+        if written is not None and value != _name(written):
+            report.problems.append(f"config.json: {key} is {value!r}, but the files hold {_name(written)!r}")
+    table = serving_table(text.get("model_type"))
+    for key in (table.required if table else ()):
+        if key not in text:
+            expected = repr(table.fixed[key]) if key in table.fixed else "the official key"
+            report.problems.append(f"config.json lacks {key}, which serving engines read with another default "
+                                   f"(expected: {expected}); re-export it")
+    for key, value in (table.fixed.items() if table else ()):
+        if key in text and text[key] != value:
+            report.problems.append(f"config.json: {key} is {text[key]!r}, expected {value!r} (what the "
+                                   "model computes; an engine reading another value serves another model)")
+
+
+def _known(name: str) -> bool:
+    try:
+        return torch_dtype(name) is not None
+    except InputError:
+        return False
+
+
+def _name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _text_config(config: Mapping | None) -> Mapping:

@@ -52,6 +52,7 @@ from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.scoring import results_to_markdown
 from nemo_moe_export.evaluate.task import Task, load_task
 from nemo_moe_export.export import ExportStep, verify_checkpoint
+from nemo_moe_export.serving.vllm_logprobs import check_with_vllm, vllm_python
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.hooks import HookList, RecipeContext
 from nemo_moe_export.job.checks import check_config, check_export_target, export_target
@@ -307,6 +308,8 @@ def _verify_stage(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], inf
                     outcome["answers"] = compare_answers(results["mmlu_scores"], reloaded["scores"],
                                                          _compared_dtype(checked))
                     outcome["ok"] = outcome["ok"] and outcome["answers"]["ok"]
+        if report.ok:
+            _serve_with_vllm(path, outcome, log)
     if info.initialized:
         box = [outcome]
         dist.broadcast_object_list(box, src=0)
@@ -322,6 +325,19 @@ def _compared_dtype(checked: CheckedRecipe) -> torch.dtype:
     options = checked.export.options if checked.export is not None else None
     export_dtype = options and (torch.float8_e4m3fn if options.quantize else options.torch_dtype)
     return coarsest_dtype(model_dtype(checked.cfg.model), export_dtype)
+
+
+def _serve_with_vllm(path: str, outcome: dict[str, Any], log: Any) -> None:
+    """Where a vLLM environment is present ($NEMO_MOE_EXPORT_VLLM_PYTHON, or vLLM here), serve the
+    export with it as written and compare its prompt logprobs with transformers on the same files
+    (docs/design.md#serving-engines); a model vLLM's backend here cannot run is said, not failed."""
+    python = vllm_python()
+    if python is None:
+        return
+    served = check_with_vllm(path, python)
+    outcome["vllm"] = served.summary()
+    outcome["ok"] = outcome["ok"] and (served.ok or served.skipped is not None)
+    log.info(served.summary())
 
 
 def _summary(results: dict[str, Any], run_dir: str, task: str) -> str:
@@ -347,6 +363,8 @@ def _summary(results: dict[str, Any], run_dir: str, task: str) -> str:
             extra += (f", answers {a['same_answers']}/{a['questions']} equal ({a['decided']} decided beyond "
                       f"{a['dtype']} rounding, {len(a['differ_decided'])} of them differ)")
         lines.append(f"  verify : {'OK' if v.get('ok') else 'FAILED'}{extra}")
+        if v.get("vllm"):
+            lines.append(f"  serve  : {v['vllm']}")
     lines.append(f"  run dir: {run_dir}")
     lines.append("=" * 72)
     return "\n".join(lines)
