@@ -407,8 +407,9 @@ class _StoreReports:
             alarm = self.alarm() or "no reason given"
             return PeerError(f"{head}: this rank arrived after its peers had given up ({alarm})",
                              step=step, ranks=[self.me])
+        culprits = sorted(failed) or missing or sorted(waited)  # a rank that failed by itself first
         return PeerError(_verdict(head, step, incomplete.reason, missing, failed, waited, grace_s), step=step,
-                         ranks=sorted(set(missing) | set(failed)) or sorted(waited))
+                         ranks=culprits)
 
     def _exchange_reports(self, error: BaseException | None, incomplete: _Incomplete,
                           grace_s: float) -> tuple[dict[int, str], float]:
@@ -461,9 +462,12 @@ def _verdict(head: str, step: str, reason: str, missing: list[int], failed: dict
     if failed:
         parts.append(f"failed on ranks {sorted(failed)}: "
                      + "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items())))
-    if missing:
+    if missing and failed:  # most likely still blocked in a collective with a failed rank
+        parts.append(f"ranks {missing} sent no report within {grace_s:.0f} s of the first (blocked in a collective "
+                     "that needs a failed rank, or stalled, or dead)")
+    elif missing:  # every report only waited for them: they are the culprits
         parts.append(f"ranks {missing} sent no report within {grace_s:.0f} s of the first: they did not reach the end "
-                     f"of step '{step}' (stalled, dead, or blocked in a collective that needs a failed rank)")
+                     f"of step '{step}' (stalled or dead)")
     if waited:
         parts.append(f"ranks {sorted(waited)} stopped waiting for them ("
                      + "; ".join(f"rank {r}: {t[:200]}" for r, t in sorted(waited.items())) + ")")

@@ -34,7 +34,7 @@ def _first_layer(model):
     parts = getattr(model, "parts", None)
     if parts is not None:
         return next(iter(parts[0].model.layers.values()))
-    return model.model.decoder.layers[0]
+    return model.gpt.decoder.layers[0]
 
 
 def _inject_in_forward() -> None:

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from nemo_moe_export.export import verify_checkpoint
+from test_recipe import run_cli
+
 WORLD = 4
 FAULTY = 1  # stage 0, beside rank 0 (the store's host when launched as plain processes)
 TIMEOUT_S = 8  # parallel.timeout_s: every model group's
@@ -106,3 +109,66 @@ class Case:
 
     def summary(self, name: str) -> str:
         return f"{name}: whole run {self.seconds:.0f} s, each rank ended {self.after_fault()} s after the fault"
+
+
+def _named_by(case: Case, ranks: tuple[int, ...], step: str, says: str) -> None:
+    """Each of ``ranks`` ended with an error naming the faulty rank, the step and ``says``."""
+    for rank in ranks:
+        out = case.out[rank]
+        assert case.status[rank] != 0, (rank, out[-3000:])
+        named = [line for line in out.splitlines()
+                 if (f"ranks [{FAULTY}]" in line or f"rank {FAULTY}:" in line) and step in line and says in line]
+        assert named, f"rank {rank} does not name rank {FAULTY}, {step!r} and {says!r}:\n{out[-4000:]}"
+
+
+def _within_bound(case: Case, name: str) -> None:
+    print("\n" + case.summary(name))
+    assert case.fault_at is not None, "the fault was not injected: " + case.out[FAULTY][-3000:]
+    late = [(rank, s) for rank, s in enumerate(case.after_fault()) if s > BOUND_S]
+    assert not late, f"ranks ended later than {BOUND_S} s after the fault: {late}"
+
+
+MMLU = ["recipe=deepseek_v3_tiny", "stages=[train,mmlu]"]
+
+
+@pytest.mark.parametrize("parallel,torchrun", [("pp", False), ("pp_ep", True)], ids=["pp-plain", "pp_ep-torchrun"])
+def test_a_rank_stalled_in_an_mmlu_forward_is_named_by_every_survivor(parallel, torchrun, tmp_path):
+    """Its FSDP (or EP) peer waits in an all-gather (all-to-all), stage 1 in a receive: each gives up
+    at parallel.timeout_s, and the coordinator, spanning the pipeline, names the rank that sent no report."""
+    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, [*MMLU, f"parallel={parallel}"], torchrun=torchrun)
+    _within_bound(case, f"stall, {parallel}, {'torchrun' if torchrun else 'plain processes'}")
+    if torchrun:  # the agent ends the ranks once one fails: at least one survivor's report is printed
+        said = [line for line in case.out[0].splitlines() if f"ranks [{FAULTY}] sent no report" in line]
+        assert said and all("did not reach the end of step '1 of 1'" in line for line in said), case.out[0][-4000:]
+        return
+    # every survivor, blocked in an FSDP all-gather (rank 0) or a pipeline receive (ranks 2, 3)
+    _named_by(case, (0, 2, 3), "step '1 of 1'", f"ranks [{FAULTY}] sent no report")
+    assert f"rank {FAULTY} ended by its watchdog" in case.out[FAULTY], case.out[FAULTY][-3000:]
+
+
+def test_a_rank_raising_in_an_mmlu_forward_is_carried_by_every_survivor(tmp_path):
+    """Plain processes: rank 0, the store's host, is released first (its EP peer's process ended) and
+    stays until rank 2, blocked in a receive from it, has read rank 1's report."""
+    case = Case(tmp_path, {"kind": "raise", "where": "mmlu"}, [*MMLU, "parallel=pp_ep"], torchrun=False)
+    _within_bound(case, "raise, pp_ep, plain processes")
+    _named_by(case, tuple(range(WORLD)), "mmlu step 1 of 1", f"RuntimeError: injected failure on rank {FAULTY}")
+    assert not any("rendezvous store is unreachable" in out for out in case.out), case.out
+
+
+def test_a_failed_export_publishes_nothing_and_the_rerun_verifies(tmp_path):
+    export = ["recipe=deepseek_v3_tiny", "parallel=pp_ep", "mmlu.enabled=false", "stages=[train,export,verify]"]
+    case = Case(tmp_path, {"kind": "raise", "where": "export"}, export, torchrun=False)
+    _within_bound(case, "raise in the export's write, pp_ep, plain processes")
+    _named_by(case, tuple(range(WORLD)), "step 'write'", f"RuntimeError: injected failure on rank {FAULTY}")
+    run_dir = tmp_path / "run"
+    assert not (run_dir / "hf").exists() and not [n for n in os.listdir(run_dir) if "partial" in n]
+    run_cli([*export, f"run_dir={run_dir}", *QUICK, "export.overwrite=replace", "--nproc", str(WORLD)])
+    assert verify_checkpoint(str(run_dir / "hf")).ok
+
+
+def test_a_rank_stalled_in_a_megatron_core_stage_is_named_by_every_survivor(tmp_path):
+    """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), plain processes."""
+    overrides = ["recipe=megatron_deepseek_v3_tiny", "parallel=pp_ep", "stages=[train,mmlu]"]
+    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, overrides, torchrun=False)
+    _within_bound(case, "stall, megatron-core pp_ep, plain processes")
+    _named_by(case, (0, 2, 3), "step '1 of 1'", f"ranks [{FAULTY}] sent no report")
