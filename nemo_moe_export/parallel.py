@@ -178,7 +178,9 @@ class _Incomplete(Exception):
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    """``Type: message``, without the C++ source locations gloo puts before its messages (a report
+    is read by a person: "Connection closed by peer" says it, ``[/.../pair.cc:553]`` does not)."""
+    return f"{type(error).__name__}: " + re.sub(r"\[/[^\]]*:\d+\] ", "", str(error))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -470,7 +472,7 @@ def _verdict(head: str, step: str, reason: str, missing: list[int], failed: dict
                      f"of step '{step}' (stalled or dead)")
     if waited:
         parts.append(f"ranks {sorted(waited)} stopped waiting for them ("
-                     + "; ".join(f"rank {r}: {t[:200]}" for r, t in sorted(waited.items())) + ")")
+                     + "; ".join(f"rank {r}: {t[:300]}" for r, t in sorted(waited.items())) + ")")
     return "; ".join(parts)
 
 

@@ -4,7 +4,8 @@ own command line (``nemo_moe_export.cli.main``), after wrapping one product func
 rank named in ``NME_FAULT`` stalls or raises where the fault says (tests/test_stage_faults.py).
 
 ``NME_FAULT`` is JSON: ``rank``; ``kind`` ("stall": sleep 600 s, "raise": a RuntimeError);
-``where`` ("mmlu": inside this rank's first decoder layer, at its ``call``-th evaluation forward;
+``where`` ("mmlu": inside this rank's first decoder layer, at its ``call``-th forward of the
+evaluation at the end of training;
 "export": as the export's write step starts); ``record``: a file the fault's wall time is written to.
 """
 
@@ -14,8 +15,6 @@ import json
 import os
 import sys
 import time
-
-import torch
 
 FAULT = json.loads(os.environ["NME_FAULT"])
 RANK = int(os.environ["RANK"])
@@ -38,13 +37,14 @@ def _first_layer(model):
 
 
 def _inject_in_forward() -> None:
+    from nemo_moe_export.evaluate.callback import MMLUCallback
     from nemo_moe_export.job import stages
 
-    build = stages.build_sharded_model
-    seen = {"calls": 0}
+    build, evaluate = stages.build_sharded_model, MMLUCallback.on_train_end
+    seen = {"evaluating": False, "calls": 0}
 
     def hook(*_args):
-        if torch.is_grad_enabled():  # a training forward: the fault is the evaluation's
+        if not seen["evaluating"]:  # a training forward: the fault is the evaluation's
             return
         seen["calls"] += 1
         if seen["calls"] == FAULT.get("call", 2):
@@ -55,7 +55,11 @@ def _inject_in_forward() -> None:
         _first_layer(model).register_forward_pre_hook(hook)
         return model, layout
 
-    stages.build_sharded_model = built
+    def evaluated(self, ctx):
+        seen["evaluating"] = True
+        return evaluate(self, ctx)
+
+    stages.build_sharded_model, MMLUCallback.on_train_end = built, evaluated
 
 
 def _inject_in_export() -> None:

@@ -122,8 +122,8 @@ def _named_by(case: Case, ranks: tuple[int, ...], step: str, says: str) -> None:
 
 
 def _within_bound(case: Case, name: str) -> None:
-    print("\n" + case.summary(name))
     assert case.fault_at is not None, "the fault was not injected: " + case.out[FAULTY][-3000:]
+    print("\n" + case.summary(name))
     late = [(rank, s) for rank, s in enumerate(case.after_fault()) if s > BOUND_S]
     assert not late, f"ranks ended later than {BOUND_S} s after the fault: {late}"
 
@@ -172,3 +172,30 @@ def test_a_rank_stalled_in_a_megatron_core_stage_is_named_by_every_survivor(tmp_
     case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, overrides, torchrun=False)
     _within_bound(case, "stall, megatron-core pp_ep, plain processes")
     _named_by(case, (0, 2, 3), "step '1 of 1'", f"ranks [{FAULTY}] sent no report")
+
+
+def test_the_evaluators_coordinator_joins_the_pipeline_peers():
+    """Under pp on 4 ranks the stages' data-parallel groups [0, 1], [2, 3] and the pipelines [0, 2],
+    [1, 3] make one coordinated group; without pipeline peers each data-parallel group stays alone."""
+    from nemo_moe_export.evaluate.evaluator import _coupled
+
+    assert _coupled([[0, 1], [0, 2], [0, 1], [1, 3], [2, 3], [0, 2], [2, 3], [1, 3]]) == [[0, 1, 2, 3]]
+    assert _coupled([[0, 1], [0], [0, 1], [1], [2, 3], [2], [2, 3], [3]]) == [[0, 1], [2, 3]]
+
+
+def test_a_wait_that_ended_is_told_from_a_failure():
+    from nemo_moe_export.parallel import stopped_waiting
+
+    def chained(root: BaseException) -> BaseException:
+        try:
+            try:
+                raise root
+            except BaseException as exc:
+                raise RuntimeError("pipeline stage 1 on rank 2 failed") from exc
+        except BaseException as outer:
+            return outer
+
+    assert stopped_waiting(chained(RuntimeError("[/x/unbound_buffer.cc:78] Timed out waiting 8000ms for recv")))
+    assert stopped_waiting(chained(RuntimeError("[/x/pair.cc:553] Connection closed by peer [127.0.0.1]:1")))
+    assert not stopped_waiting(chained(RuntimeError("injected failure on rank 1")))
+    assert not stopped_waiting(None)
