@@ -489,11 +489,13 @@ def stopped_waiting(error: BaseException | None) -> bool:
 
 
 def bound_groups(groups: Any, timeout_s: float) -> None:
-    """Every process group in ``groups`` waits at most ``timeout_s`` in any collective or transfer
+    """Every process group in ``groups`` waits at most ``timeout_s`` in a collective
     (``_set_pg_timeout``: gloo and NCCL): a group a mesh or a framework made otherwise keeps torch's
-    30-minute default, so a stalled peer would hold its partners that long
-    (docs/design.md#coordination-protocol, "Groups"). The longest such bound is kept: it is how long
-    a survivor blocked in a model collective may take to report."""
+    30-minute default, so a stalled peer would hold its partners that long. gloo keeps a group's
+    point-to-point receives at the timeout it was made with: a group that carries them (the
+    pipeline's) must be made with it, as ``job/pipelined.py`` does
+    (docs/design.md#coordination-protocol, "The model's groups are bounded too"). The longest such
+    bound is kept: it is how long a survivor blocked in a model collective may take to report."""
     timeout = timedelta(seconds=timeout_s)
     for group in groups:
         _set_pg_timeout(timeout, group)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -63,18 +64,19 @@ class Case:
         self.fault_at = float(self.record.read_text()) if self.record.exists() else None
 
     def run_plain(self, env: dict, args: list[str], tmp: Path) -> None:
-        env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(WORLD)}
-        logs = [open(tmp / f"rank{r}.out", "w+") for r in range(WORLD)]
-        procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), *args], stdout=logs[r], stderr=subprocess.STDOUT,
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(WORLD)})
-                 for r in range(WORLD)]
-        self.ended = self._watch(procs, deadline_s=240)
-        self.status = [p.returncode for p in procs]
-        self.out = []
-        for log in logs:
-            log.seek(0)
-            self.out.append(log.read())
-            log.close()
+        env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+        launcher = subprocess.Popen([sys.executable, str(RANK_SCRIPT), "--plain", str(WORLD), str(tmp), *args], env=env,
+                                    start_new_session=True)
+        try:
+            launcher.wait(timeout=300)
+        finally:
+            if launcher.poll() is None:  # the session this test started: the launcher and its ranks
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+        ended = json.loads((tmp / "ended.json").read_text())
+        self.ended = [ended[str(r)][0] for r in range(WORLD)]
+        self.status = [ended[str(r)][1] for r in range(WORLD)]
+        self.out = [(tmp / f"rank{r}.out").read_text() for r in range(WORLD)]
 
     def run_torchrun(self, env: dict, args: list[str], tmp: Path) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
