@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _get_default_store
+from torch.distributed.distributed_c10d import _get_default_store, _set_pg_timeout
+from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.collectives import all_same, butterfly_all_reduce, fingerprint_words, forget_gloo_group, gloo_group
 from nemo_moe_export.errors import InputError
+from nemo_moe_export.watchdog import hold_store_for_peers, mark_done, store_hosted_by_rank0
 
 __all__ = [
     "DEVICES",
@@ -46,12 +48,14 @@ __all__ = [
     "ParallelLayout",
     "PeerError",
     "RankGroup",
+    "bound_groups",
     "discover_layout",
     "dist_info",
     "is_global_rank0",
     "expert_parallel_groups",
     "init_distributed",
     "init_expert_parallel",
+    "model_groups",
     "resolve_device",
 ]
 
@@ -132,8 +136,15 @@ _REPORT_GRACE_S = 5.0  # how long survivors wait for each other's reports once a
 # before its process ends, which its waiting only delays.
 _LEAVE_GRACE_S = 2.0
 # How long rank 0, when its process hosts the store (launched like srun), stays after reading the
-# reports, so the survivors that read them at the same deadline find the store still there.
+# reports, so the survivors that read them at the same deadline find the store still there; at exit
+# it stays longer, until every rank is done with the store (watchdog.hold_store_for_peers).
 _HOST_LINGER_S = 1.0
+# A report that says "this rank only stopped waiting for its peers" (a timeout, a closed connection),
+# as opposed to a failure of its own: such ranks are not the culprits of the step.
+_WAITED = "waited|"
+# The longest a wait of a model collective lasts (bound_groups): the longest a survivor blocked in
+# one may take to report. None until a job bounds its groups.
+_GROUP_TIMEOUT: dict[str, float | None] = {"s": None}
 
 
 class _Background(threading.Thread):
@@ -167,7 +178,9 @@ class _Incomplete(Exception):
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
+    """``Type: message``, without the C++ source locations gloo puts before its messages (a report
+    is read by a person: "Connection closed by peer" says it, ``[/.../pair.cc:553]`` does not)."""
+    return f"{type(error).__name__}: " + re.sub(r"\[/[^\]]*:\d+\] ", "", str(error))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -266,6 +279,11 @@ class Coordinator:
         self._reports.next_agreement()
         self._broken_at = step
         me = self._reports.me
+        if stopped_waiting(error):  # the peers blocked by the same culprit give up in the same window
+            leaving = _Incomplete("its wait for them timed out or a connection closed",
+                                  alarm=f"rank {me} stopped waiting for its peers during {self.name} step '{step}'")
+            head = f"{self.name} step '{step}' did not complete (seen from rank {me}, which stopped waiting for its peers)"
+            return self._reports.diagnose(step, error, leaving, grace_s=_REPORT_GRACE_S, head=head)
         leaving = _Incomplete("its peers may be blocked in a collective that needs it",
                               alarm=f"rank {me} failed during {self.name} step '{step}' and left without agreeing")
         head = f"{self.name} step '{step}' failed on rank {me}, which left without agreeing"
@@ -341,14 +359,6 @@ class Coordinator:
         )
 
 
-def _store_hosted_by_rank0(store: Any) -> bool:
-    """Under torchrun the launcher's agent hosts the store; launched otherwise (srun, mpirun with
-    ``env://``) the TCPStore server runs inside rank 0."""
-    while isinstance(store, dist.PrefixStore):  # the default store is wrapped once per group level
-        store = store.underlying_store
-    return isinstance(store, dist.TCPStore) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-
-
 class _StoreReports:
     """Diagnosis of a broken agreement through the rendezvous store, which outlives the group.
 
@@ -385,39 +395,38 @@ class _StoreReports:
         coordinator = self.coordinator
         head = head or f"{coordinator.name} step '{step}' could not be agreed (seen from rank {self.me})"
         try:
-            reports = self._exchange_reports(error, incomplete, grace_s)
+            reports, grace_s = self._exchange_reports(error, incomplete, grace_s)
         except Exception as exc:  # the store's host is gone too
-            host = 0 if _store_hosted_by_rank0(self.store) else None
+            host = 0 if store_hosted_by_rank0() else None
             return PeerError(f"{head}: {incomplete.reason}; the rendezvous store is unreachable as well "
                              f"({_first_line(exc)}): its host ({'rank 0' if host == 0 else 'the launcher'}) "
                              "has likely died", step=step, ranks=[] if host is None else [host])
         everyone = [coordinator.global_rank(r) for r in range(coordinator.world_size)]
         missing = [r for r in everyone if r not in reports]
-        failed = {r: text for r, text in reports.items() if text != "ok"}
-        parts = [f"{head}: {incomplete.reason}"]
-        if not missing and not failed:  # every peer had reported: they gave up waiting for this rank
+        waited = {r: text[len(_WAITED):] for r, text in reports.items() if text.startswith(_WAITED)}
+        failed = {r: text for r, text in reports.items() if text != "ok" and r not in waited}
+        if not missing and not failed and not waited:  # every peer had reported: they gave up waiting for this rank
             alarm = self.alarm() or "no reason given"
             return PeerError(f"{head}: this rank arrived after its peers had given up ({alarm})",
                              step=step, ranks=[self.me])
-        if missing:
-            parts.append(f"ranks {missing} sent no report within {grace_s:.0f} s of the failure (dead, stalled, "
-                         "still busy with the step, or blocked in a collective that needs a failed rank)")
-        if failed:
-            parts.append(f"failed on ranks {sorted(failed)}: " + "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items())))
-        return PeerError("; ".join(parts), step=step, ranks=sorted(set(missing) | set(failed)))
+        culprits = sorted(failed) or missing or sorted(waited)  # a rank that failed by itself first
+        return PeerError(_verdict(head, step, incomplete.reason, missing, failed, waited, grace_s), step=step,
+                         ranks=culprits)
 
     def _exchange_reports(self, error: BaseException | None, incomplete: _Incomplete,
-                          grace_s: float) -> dict[int, str]:
-        """Post this rank's report, raise the alarm, wait up to the grace for the others' reports."""
+                          grace_s: float) -> tuple[dict[int, str], float]:
+        """Post this rank's report, raise the alarm, wait up to the grace for the others' reports;
+        the reports and the grace the deadline was set with (the first survivor's)."""
         store = self.store
-        store.set(self._key("report", self.me), "ok" if error is None else _describe(error))
+        store.set(self._key("report", self.me), _report(error))
         if not store.check([self._key("alarm")]):
             store.set(self._key("alarm"), incomplete.alarm or f"rank {self.me} found this agreement broken: "
                                                               f"{incomplete.reason}")
         count = store.add(self._key("reported"), 1)
         # One deadline for every survivor, the first one's (wall clock): a survivor that noticed
         # late still reads the reports before the others, the store's host among them, move on.
-        deadline = float(store.compare_set(self._key("deadline"), "", repr(time.time() + grace_s)).decode())
+        deadline, grace_s = map(float, store.compare_set(self._key("deadline"), "",
+                                                         f"{time.time() + grace_s!r} {grace_s!r}").decode().split())
         world = self.coordinator.world_size
         while count < world and time.time() < deadline:
             time.sleep(0.05)
@@ -425,9 +434,84 @@ class _StoreReports:
         everyone = [self.coordinator.global_rank(r) for r in range(world)]
         keys = {r: self._key("report", r) for r in everyone}
         reports = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-        if self.me == 0 and _store_hosted_by_rank0(store):  # its store ends with its process
+        mark_done()  # this rank read what it needs from the store
+        if self.me == 0 and store_hosted_by_rank0():  # its store ends with its process
             time.sleep(_HOST_LINGER_S)
-        return reports
+            hold_store_for_peers(deadline + self._blocked_s(reports) + _REPORT_GRACE_S)
+        return reports, grace_s
+
+    def _blocked_s(self, reports: dict[int, str]) -> float:
+        """How long after the reports' deadline a survivor may still be blocked in a model collective
+        and come to read them: when a rank failed by itself, its peers blocked in a collective with a
+        live rank wait for that group's timeout; when every report is a wait, they already waited it."""
+        if all(text == "ok" or text.startswith(_WAITED) for text in reports.values()):
+            return 0.0
+        return _GROUP_TIMEOUT["s"] or self.coordinator.timeout.total_seconds()
+
+
+def _report(error: BaseException | None) -> str:
+    """This rank's report: "ok", a wait that ended (tagged: it names no culprit), or its failure."""
+    if error is None:
+        return "ok"
+    return (_WAITED if stopped_waiting(error) else "") + _describe(error)
+
+
+def _verdict(head: str, step: str, reason: str, missing: list[int], failed: dict[int, str],
+             waited: dict[int, str], grace_s: float) -> str:
+    """The message every survivor raises: the culprits first (ranks that failed by themselves, ranks
+    that never reached the step), then the ranks that only stopped waiting for them."""
+    parts = [f"{head}: {reason}"]
+    if failed:
+        parts.append(f"failed on ranks {sorted(failed)}: "
+                     + "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items())))
+    if missing and failed:  # most likely still blocked in a collective with a failed rank
+        parts.append(f"ranks {missing} sent no report within {grace_s:.0f} s of the first (blocked in a collective "
+                     "that needs a failed rank, or stalled, or dead)")
+    elif missing:  # every report only waited for them: they are the culprits
+        parts.append(f"ranks {missing} sent no report within {grace_s:.0f} s of the first: they did not reach the end "
+                     f"of step '{step}' (stalled or dead)")
+    if waited:
+        parts.append(f"ranks {sorted(waited)} stopped waiting for them ("
+                     + "; ".join(f"rank {r}: {t[:300]}" for r, t in sorted(waited.items())) + ")")
+    return "; ".join(parts)
+
+
+def stopped_waiting(error: BaseException | None) -> bool:
+    """Whether ``error`` only says that this rank stopped waiting for its peers: its root cause is a
+    collective's timeout or a peer's closed connection (gloo's words), not a failure of its own."""
+    seen: set[int] = set()
+    root = None
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        root, error = error, error.__cause__ or error.__context__
+    text = str(root or "")
+    return any(words in text for words in ("Timed out", "Connection closed", "Connection reset", "Broken pipe"))
+
+
+def bound_groups(groups: Any, timeout_s: float) -> None:
+    """Every process group in ``groups`` waits at most ``timeout_s`` in a collective
+    (``_set_pg_timeout``: gloo and NCCL): a group a mesh or a framework made otherwise keeps torch's
+    30-minute default, so a stalled peer would hold its partners that long. gloo keeps a group's
+    point-to-point receives at the timeout it was made with: a group that carries them (the
+    pipeline's) must be made with it, as ``job/pipelined.py`` does
+    (docs/design.md#coordination-protocol, "The model's groups are bounded too"). The longest such
+    bound is kept: it is how long a survivor blocked in a model collective may take to report."""
+    timeout = timedelta(seconds=timeout_s)
+    for group in groups:
+        _set_pg_timeout(timeout, group)
+    _GROUP_TIMEOUT["s"] = max(timeout_s, _GROUP_TIMEOUT["s"] or 0.0)
+
+
+def model_groups(model: Any, layout: "ParallelLayout") -> list[Any]:
+    """The process groups a model's forwards and steps run collectives on, each once: the layout's
+    (the pipeline group's transfers included) and those of the DeviceMeshes of its DTensor
+    parameters (FSDP2's shard groups, the EP experts' mesh)."""
+    groups = [g.group for g in (layout.dp, layout.ep, layout.edp, *layout.model_parallel_groups().values())
+              if g.group is not None]
+    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
+    for mesh in meshes.values():
+        groups.extend(mesh.get_all_groups())
+    return list({g.group_name: g for g in groups}.values())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -174,3 +174,57 @@ def test_a_killed_rank_0_is_named_although_it_hosted_the_store(tmp_path, delay):
     assert not os.path.exists(tmp_path / "hf")
     left = [n for n in os.listdir(tmp_path) if n.startswith(".hf")]
     assert left == [], f"the survivors must clean what rank 0 could not: {left}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Launched like srun, rank 0 keeps the store until every rank has read the reports (issue 42)
+# --------------------------------------------------------------------------------------------------
+
+_LATE_READER = textwrap.dedent("""
+    import json, os, sys, time
+    import torch.distributed as dist
+    from nemo_moe_export.parallel import Coordinator, PeerError
+
+    rank, report = int(os.environ["RANK"]), sys.argv[1]
+    dist.init_process_group("gloo")
+    coordinator = Coordinator(None, timeout_s=30, name="mmlu")
+    coordinator.agree("prepare")
+    if rank == 2:  # blocked in a collective with a live peer, released by a closed connection, late
+        time.sleep(15)
+    error = (RuntimeError("injected failure on rank 1") if rank == 1 else
+             RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"))
+    outcome = {"message": str(coordinator.leave("3 of 5", error)), "read_at": time.time()}
+    with open(f"{report}.{rank}", "w") as f:
+        json.dump(outcome, f)
+    sys.exit(1)  # a normal exit: what runs at exit runs
+""")
+
+
+def test_the_store_host_stays_until_a_late_survivor_has_read_the_reports(tmp_path):
+    """Rank 1 fails, ranks 0 and 3 stop waiting at once, rank 2 only 15 s later (its collective
+    ended late): rank 0, which hosts the store, reads the reports at the 2-5 s deadline but stays
+    until rank 2 has read them too. Before, it left 1 s after the deadline, and rank 2 could only
+    say that the store was unreachable."""
+    script = tmp_path / "worker.py"
+    script.write_text(_LATE_READER)
+    report = str(tmp_path / "report")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "4",
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    procs = [subprocess.Popen([sys.executable, str(script), report], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(4)]
+    ended = [None] * 4
+    deadline = time.monotonic() + 150
+    while None in ended and time.monotonic() < deadline:
+        ended = [time.time() if e is None and p.poll() is not None else e for e, p in zip(ended, procs)]
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    outcomes = [json.load(open(f"{report}.{r}")) for r in range(4)]
+    print(f"\nrank 2 read the reports at {outcomes[2]['read_at'] - outcomes[1]['read_at']:.1f} s after rank 1 "
+          f"left; rank 0 ended {ended[0] - outcomes[2]['read_at']:.1f} s after that")
+    late = outcomes[2]["message"]
+    assert "unreachable" not in late and "rank 1: RuntimeError: injected failure on rank 1" in late, late
+    assert ended[0] >= outcomes[2]["read_at"], "rank 0 ended before rank 2 had read the reports"
+    assert ended[0] - outcomes[2]["read_at"] < 10, "rank 0 stayed well past the last reader"

@@ -192,8 +192,8 @@ class MMLUCallback(Hook):
         return self._prepared[1]
 
     def _coordinator(self, layout: ParallelLayout) -> Coordinator:
-        """One coordinator per DP group, reused (creating one may create a process group)."""
-        key = tuple(layout.dp.ranks)
+        """One coordinator per DP (and pipeline) group, reused (creating one may create a process group)."""
+        key = (tuple(layout.dp.ranks), tuple(layout.pp.ranks))
         if key not in self._coordinators:
             self._coordinators[key] = phase_coordinator(layout, timeout_s=self.options.timeout_s, name="mmlu")
         return self._coordinators[key]

@@ -65,7 +65,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from nemo_moe_export.collectives import fingerprint_words
 from nemo_moe_export.errors import InputError
@@ -104,7 +103,8 @@ from nemo_moe_export.evaluate.runner import (
 )
 from nemo_moe_export.evaluate.scoring import aggregate, record_outcomes
 from nemo_moe_export.evaluate.task import load_task
-from nemo_moe_export.parallel import Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0
+from nemo_moe_export.parallel import (Coordinator, ParallelLayout, PeerError, discover_layout, is_global_rank0,
+                                      model_groups)
 from nemo_moe_export.progress import Progress
 
 __all__ = ["MMLUStepError", "evaluate_mmlu", "global_batches", "phase_coordinator"]
@@ -175,14 +175,15 @@ def evaluate_mmlu(
     forwards_done = time.perf_counter()
     # 4. gather, after an agreement: a rank still stuck in a step is reported, not mismatched
     _agree(coordinator, "gather", error, opts.policy)
-    gathered = coordinator.all_gather((row_scores, runner.tally))
+    # under pipeline stages every rank of a pipeline ran the same forwards: its tally counts once
+    gathered = coordinator.all_gather((row_scores, runner.tally if layout.pp.rank == 0 else None))
     records = score_records(prepared, _merged(scores for scores, _ in gathered))
     metrics = aggregate(record_outcomes(records), prepared.task)
     finished = time.perf_counter()
     return MMLUResult(
         metrics=metrics, records=records, policy=opts.policy, layout=layout_summary(layout),
         timing=timing_summary(started, prepared_at, forwards_done, finished, len(prepared.questions)),
-        padding=padding_summary(tally for _, tally in gathered),
+        padding=padding_summary(tally for _, tally in gathered if tally is not None),
         scoring=scoring_summary(prepared, batch_size=opts.batch_size, batches=batches, uniform_shapes=uniform_shapes,
                                 tokens_per_batch=budget, prefixes=prefixes,
                                 prefix_attention=("packed" if runner.packed else "copied") if prefixes else None,
@@ -302,39 +303,52 @@ class _SingleRankCoordinator(Coordinator):
 
 def phase_coordinator(layout: ParallelLayout, *, timeout_s: float = MMLUOptions.timeout_s,
                       name: str = "mmlu") -> Coordinator:
-    """The coordinator over ``layout``'s data-parallel group that closes each evaluation phase.
+    """The coordinator that closes each evaluation phase: over ``layout``'s data-parallel group,
+    joined under pipeline stages with the data-parallel groups of this rank's pipeline peers.
 
-    It runs on a gloo group of its own whose default timeout is ``timeout_s``: the agreement's
-    point-to-point sends and all-gathers must wait as long as the agreement does, or a rank that
-    arrives early (its peers still stuck in a forward) would give up after the *model* group's
-    shorter timeout and leave the others without an answer. Creating it is a collective over the
-    whole world (every rank, every DP group at once); create it once and pass it to
-    :func:`evaluate_mmlu` for repeated evaluations (:class:`~nemo_moe_export.evaluate.callback.
-    MMLUCallback` does).
+    Pipeline stages couple their ranks: a stall or failure in one stage blocks the next one's
+    receive, so the ranks that can only wait must agree with the ranks that failed or stalled, or
+    none of them could name the culprit (the coordinator knows who reported). It runs on a gloo
+    group of its own whose default timeout is ``timeout_s``: the agreement's point-to-point sends
+    and all-gathers must wait as long as the agreement does, or a rank that arrives early (its
+    peers still stuck in a forward) would give up after the *model* group's shorter timeout and
+    leave the others without an answer. Creating it is a collective over the whole world (every
+    rank, every group at once); create it once and pass it to :func:`evaluate_mmlu` for repeated
+    evaluations (:class:`~nemo_moe_export.evaluate.callback.MMLUCallback` does).
     """
-    if layout.dp.size == 1 or layout.dp.group is None:
+    if (layout.dp.size == 1 or layout.dp.group is None) and layout.pp.size == 1:
         return _SingleRankCoordinator(timeout_s=timeout_s, name=name)
-    dp_groups: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(dp_groups, list(layout.dp.ranks))
-    unique = sorted({tuple(g) for g in dp_groups})
-    group, _ = dist.new_subgroups_by_enumeration([list(g) for g in unique], timeout=timedelta(seconds=timeout_s),
-                                                 backend="gloo")
+    members: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(members, (list(layout.dp.ranks), list(layout.pp.ranks)))
+    groups = _coupled([ranks for pair in members for ranks in pair])
+    group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timedelta(seconds=timeout_s), backend="gloo")
     return Coordinator(group, timeout_s=timeout_s, name=name)
 
 
+def _coupled(groups: list[list[int]]) -> list[list[int]]:
+    """The ranks linked by any of ``groups`` (data-parallel and pipeline groups), as disjoint
+    sorted groups in order: the same on every rank."""
+    root: dict[int, int] = {}
+
+    def find(r: int) -> int:
+        while root.setdefault(r, r) != r:
+            r = root[r]
+        return r
+
+    for ranks in groups:
+        for r in ranks[1:]:
+            root[find(r)] = find(ranks[0])
+    joined: dict[int, list[int]] = {}
+    for r in sorted(root):
+        joined.setdefault(find(r), []).append(r)
+    return sorted(joined.values())
+
+
 def _model_groups(model: Any, layout: ParallelLayout, coordinator: Coordinator) -> list[Any]:
-    """The process groups the model's forwards run collectives on: the layout's (the pipeline
-    group's point-to-point transfers included) and those of the DeviceMeshes of its DTensor
-    parameters (FSDP2's shard groups, the EP experts' mesh), never the coordinator's own group,
-    which must still carry the report."""
-    groups = [g.group for g in (layout.dp, layout.ep, layout.edp, *layout.model_parallel_groups().values())
-              if g.group is not None]
-    meshes = {id(p.device_mesh): p.device_mesh for p in model.parameters() if isinstance(p, DTensor)}
-    for mesh in meshes.values():
-        groups.extend(mesh.get_all_groups())
+    """The process groups the model's forwards run collectives on (``parallel.model_groups``), never
+    the coordinator's own group, which must still carry the report."""
     ours = getattr(coordinator.group, "group_name", None)
-    unique = {g.group_name: g for g in groups}
-    return [g for name, g in unique.items() if name != ours]
+    return [g for g in model_groups(model, layout) if g.group_name != ours]
 
 
 def _abort(model_groups: Callable[[], list[Any]]) -> list[str]:

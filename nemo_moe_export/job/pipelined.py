@@ -47,13 +47,17 @@ def pipeline_mesh(cfg: ParallelConfig, world: int, device: str) -> DeviceMesh:
         shape, names = (cfg.replicate, per_stage // cfg.replicate), ("dp_replicate", "dp_shard")
     else:  # ep, ep_fsdp
         shape, names = (per_stage // cfg.ep_size, cfg.ep_size), ("edp", "ep")
+    # Every dim's group is made with parallel.timeout_s: gloo's point-to-point waits (the pipeline's
+    # transfers) keep the timeout a group was made with. The groups flattened later get it from
+    # bound_groups (job/trainer.py), which bounds their collectives.
+    override = _with_timeout(device, cfg.timeout_s)
     return init_device_mesh(device, (cfg.pp_size, *shape), mesh_dim_names=("pp", *names),
-                            backend_override={"pp": _with_timeout(device, cfg.timeout_s)})
+                            backend_override={name: override for name in ("pp", *names)})
 
 
 def _with_timeout(device: str, timeout_s: float) -> tuple[str, Any]:
-    """The pipeline group's backend with ``parallel.timeout_s``: a stage blocked in a receive from a
-    failed or stalled peer gives up then (a mesh's groups otherwise wait torch's default 30 minutes)."""
+    """A mesh dim's backend with ``parallel.timeout_s``: a stage blocked in a receive from a failed
+    or stalled peer gives up then (a mesh's groups otherwise wait torch's default 30 minutes)."""
     if device == "cuda":
         options: Any = dist.ProcessGroupNCCL.Options()
         backend = "nccl"

@@ -62,6 +62,7 @@ from nemo_moe_export.megatron import MegatronCausalLM
 from nemo_moe_export.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
 from nemo_moe_export.parallel import dist_info, init_distributed, resolve_device
 from nemo_moe_export.plugin import AdapterHook
+from nemo_moe_export.watchdog import finished, report_job_failure, watch_job
 
 __all__ = ["CheckedRecipe", "check_recipe", "run_recipe"]
 
@@ -169,10 +170,23 @@ def run_recipe(recipe: CheckedRecipe | Any, *, after: Callable[[Any], None] | No
     with the rest.
     """
     checked = recipe if isinstance(recipe, CheckedRecipe) else check_recipe(recipe, _world_size())
+    device = resolve_device(checked.cfg.parallel.device)
+    init_distributed(device, checked.cfg.parallel.timeout_s)
+    watch_job()  # launched without torchrun, nothing else would end this rank when another one fails
+    try:
+        results = _run_stages(checked, device, after)
+    except KeyboardInterrupt:  # a stop signal reaches every rank by itself
+        raise
+    except BaseException as exc:
+        report_job_failure(exc)  # the first failure is what a rank its watchdog ends prints
+        raise
+    finished()
+    return results
+
+
+def _run_stages(checked: CheckedRecipe, device: str, after: Callable[[Any], None] | None) -> dict[str, Any]:
     cfg, stages, run_dir = checked.cfg, checked.stages, checked.run_dir
     mmlu_callback, export_step = checked.mmlu, checked.export
-    device = resolve_device(cfg.parallel.device)
-    init_distributed(device, cfg.parallel.timeout_s)
     torch.manual_seed(cfg.trainer.seed)
     info = dist_info()
     os.makedirs(run_dir, exist_ok=True)

@@ -39,7 +39,8 @@ from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.job.checks import check_strategy
 from nemo_moe_export.job.pipelined import shard_pipelined
 from nemo_moe_export.megatron.recipe import build_recipe_model
-from nemo_moe_export.parallel import ParallelLayout, discover_layout, dist_info, init_expert_parallel
+from nemo_moe_export.parallel import (ParallelLayout, bound_groups, discover_layout, dist_info, init_expert_parallel,
+                                      model_groups)
 from nemo_moe_export.progress import Progress
 from nemo_moe_export.tiny_models import build_model
 
@@ -62,13 +63,19 @@ def build_sharded_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
         raise InputError("unknown model backend", key="model.backend", expected=BACKENDS,
                          actual=repr(model_cfg.backend))
     if model_cfg.backend == "megatron_core":
-        return build_recipe_model(model_cfg, parallel_cfg, vocab_size=vocab_size, device=device)
-    model = build_model(model_cfg, vocab_size=vocab_size, pad_token_id=pad_token_id, device=device)
-    info = dist_info()
-    if parallel_cfg.pp_size > 1 and info.initialized:
-        return shard_pipelined(model, parallel_cfg, info.world_size, device=device,
-                               shard_other_dtypes=_shard_other_dtype_modules)
-    return shard_model(model, parallel_cfg, device=device)
+        model, layout = build_recipe_model(model_cfg, parallel_cfg, vocab_size=vocab_size, device=device)
+    else:
+        model = build_model(model_cfg, vocab_size=vocab_size, pad_token_id=pad_token_id, device=device)
+        info = dist_info()
+        if parallel_cfg.pp_size > 1 and info.initialized:
+            model, layout = shard_pipelined(model, parallel_cfg, info.world_size, device=device,
+                                            shard_other_dtypes=_shard_other_dtype_modules)
+        else:
+            model, layout = shard_model(model, parallel_cfg, device=device)
+    # A mesh's or a framework's groups wait torch's 30-minute default unless told: every group the
+    # model's collectives run on waits parallel.timeout_s at most (docs/design.md#coordination-protocol).
+    bound_groups(model_groups(model, layout), parallel_cfg.timeout_s)
+    return model, layout
 
 
 def shard_model(model: Any, cfg: ParallelConfig, *, device: str = "cpu") -> tuple[Any, ParallelLayout]:

@@ -1,0 +1,138 @@
+"""The recipe with one fault injected on one rank (tests/test_stage_faults.py): the recipe's own
+command line (``nemo_moe_export.cli.main``) after wrapping one product function so that the rank
+named in ``NME_FAULT`` stalls or raises where the fault says.
+
+* ``torchrun ... tests/fault_rank.py ARGS...``: one rank, started by torchrun.
+* ``python tests/fault_rank.py --plain N OUT ARGS...``: N plain processes, as srun starts them (no
+  agent that ends the job; rank 0 hosts the rendezvous store), forked from this one once it has
+  imported the package (a rank then starts in a fraction of a second, not 9 s of imports on a busy
+  machine). It only reaps them: ``OUT/rank<r>.out`` is rank r's output, ``OUT/ended.json`` when
+  each ended (wall time) and its exit status.
+
+``NME_FAULT`` is JSON: ``rank``; ``kind`` ("stall": sleep 600 s, "raise": a RuntimeError);
+``where`` ("mmlu": inside this rank's first decoder layer, at its ``call``-th forward of the
+evaluation at the end of training;
+"export": as the export's write step starts); ``record``: a file the fault's wall time is written to.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import time
+import traceback
+
+FAULT = json.loads(os.environ["NME_FAULT"])
+RANK = int(os.environ.get("RANK", "-1"))  # set in each forked rank (--plain) before the fault is injected
+
+
+def _fault() -> None:
+    with open(FAULT["record"], "w") as f:
+        f.write(repr(time.time()))
+    if FAULT["kind"] == "stall":
+        time.sleep(600)
+    raise RuntimeError(f"injected failure on rank {RANK}")
+
+
+def _first_layer(model):
+    """This rank's first decoder layer: a torch stage's, or a megatron-core stage's."""
+    parts = getattr(model, "parts", None)
+    if parts is not None:
+        return next(iter(parts[0].model.layers.values()))
+    return model.gpt.decoder.layers[0]
+
+
+def _inject_in_forward() -> None:
+    from nemo_moe_export.evaluate.callback import MMLUCallback
+    from nemo_moe_export.job import stages
+
+    build, evaluate = stages.build_sharded_model, MMLUCallback.on_train_end
+    seen = {"evaluating": False, "calls": 0}
+
+    def hook(*_args):
+        if not seen["evaluating"]:  # a training forward: the fault is the evaluation's
+            return
+        seen["calls"] += 1
+        if seen["calls"] == FAULT.get("call", 2):
+            _fault()
+
+    def built(*args, **kwargs):
+        model, layout = build(*args, **kwargs)
+        _first_layer(model).register_forward_pre_hook(hook)
+        return model, layout
+
+    def evaluated(self, ctx):
+        seen["evaluating"] = True
+        return evaluate(self, ctx)
+
+    stages.build_sharded_model, MMLUCallback.on_train_end = built, evaluated
+
+
+def _inject_in_export() -> None:
+    from nemo_moe_export.export.storage import SharedFilesystemWriter
+
+    write = SharedFilesystemWriter.write
+
+    def faulty(self, *args, **kwargs):
+        _fault()
+        return write(self, *args, **kwargs)
+
+    SharedFilesystemWriter.write = faulty
+
+
+def _inject() -> None:
+    if RANK == FAULT["rank"]:
+        _inject_in_forward() if FAULT["where"] == "mmlu" else _inject_in_export()
+
+
+def _rank(rank: int, world: int, out: str, args: list[str]) -> None:
+    """In a forked child: become rank ``rank`` and run the recipe; never returns."""
+    global RANK
+    RANK = rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    fd = os.open(os.path.join(out, f"rank{rank}.out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    _inject()
+    from nemo_moe_export.cli import main
+
+    try:
+        status = main(args)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # as the interpreter would: the traceback, status 1
+        traceback.print_exc()
+        status = 1
+    atexit._run_exitfuncs()  # what a normal exit runs (the store's host waits there for its peers)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _plain(world: int, out: str, args: list[str]) -> None:
+    import nemo_moe_export.cli  # noqa: F401 - imported once, before forking
+
+    ranks = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            _rank(rank, world, out, args)
+        ranks[pid] = rank
+    ended = {}
+    while ranks:
+        pid, status = os.wait()
+        ended[ranks.pop(pid)] = (time.time(), os.waitstatus_to_exitcode(status))
+    with open(os.path.join(out, "ended.json"), "w") as f:
+        json.dump(ended, f)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--plain":
+        _plain(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    else:
+        from nemo_moe_export.cli import main
+
+        _inject()
+        sys.exit(main(sys.argv[1:]))
