@@ -8,11 +8,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
-# The transformers the suite is checked against (README, "NeMo AutoModel"): a fresh machine would
+# The transformers the suite is checked against (docs/automodel.md): a fresh machine would
 # otherwise take the newest 5.x, whose tensor-parallel plans and float rounding the exact-equality
 # tests would meet unannounced. The package itself admits any transformers 5.
 TRANSFORMERS ?= transformers==5.24.0
-# NeMo AutoModel for tests/test_automodel*.py, in the same environment (README, "NeMo AutoModel"):
+# NeMo AutoModel for tests/test_automodel*.py, in the same environment (docs/automodel.md):
 # installed without its dependencies, since it pins transformers==5.18.0 (its models run on our
 # 5.24.0, the tests show it) and a full install pulls triton 3.9, with which it fails to import.
 # What it needs beyond our own dependencies (einops, torchdata) is in the test extra.
