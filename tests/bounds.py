@@ -28,7 +28,6 @@ from typing import Any, Sequence
 import torch
 
 BF16_EPS = torch.finfo(torch.bfloat16).eps  # 2**-7: one bf16 rounding is within half of this, relative
-FP32_EPS = torch.finfo(torch.float32).eps  # 2**-23
 
 # What the run judged and measured, for the terminal summary (conftest.py prints it): per test,
 # (what, decided, total, bound) of each comparison of choices and (what, measured, bound) of each
@@ -105,8 +104,6 @@ class Judgement:
     total: int
     decided: int
     disagreeing: list[int] = field(default_factory=list)
-    smallest_decided_gap: float = math.inf
-
 
 
 def as_scores(values: Any) -> torch.Tensor:
@@ -130,13 +127,17 @@ def max_abs_diff(got: Any, want: Any) -> float:
     return math.inf if bool(torch.isnan(diff).any()) else float(diff.max()) if diff.numel() else 0.0
 
 
+def check_figure(measured: float, bound: Bound, what: str) -> float:
+    """A difference measured elsewhere (a rank's own comparison): asserts it is within the bound."""
+    MEASURED.setdefault(_current_test(), []).append((what, measured, bound))
+    assert measured <= bound.value, (f"{what}: difference {measured:.3g} exceeds the bound {bound.value:.3g} "
+                                     f"({bound.source})")
+    return measured
+
+
 def check_close(got: Any, want: Any, bound: Bound, what: str) -> float:
     """Asserts max |got - want| <= bound; returns the measured figure."""
-    measured = max_abs_diff(got, want)
-    MEASURED.setdefault(_current_test(), []).append((what, measured, bound))
-    assert measured <= bound.value, (f"{what}: max |difference| {measured:.3g} exceeds the bound "
-                                     f"{bound.value:.3g} ({bound.source})")
-    return measured
+    return check_figure(max_abs_diff(got, want), bound, f"{what}: max |difference|")
 
 
 def _chosen(got: Any, shape: torch.Size) -> torch.Tensor:
@@ -170,8 +171,7 @@ def judge_choices(reference: Any, got: Any, bound: Bound, what: str, *, min_deci
     decided = keep & (gap > 2 * bound.value)
     wrong = decided & (chosen != ref.argmax(-1))
     judgement = Judgement(what, total=int(keep.sum()), decided=int(decided.sum()),
-                          disagreeing=wrong.nonzero().flatten().tolist(),
-                          smallest_decided_gap=float(gap[decided].min()) if bool(decided.any()) else math.inf)
+                          disagreeing=wrong.nonzero().flatten().tolist())
     JUDGED.setdefault(_current_test(), []).append((what, judgement.decided, judgement.total, bound))
     assert judgement.total > 0, f"{what}: no positions to judge"
     assert not judgement.disagreeing, (
@@ -194,14 +194,6 @@ def judge_predictions(reference_scores: Sequence[Sequence[float]], predictions: 
     ``scores``), judged where the reference decides."""
     return judge_choices(reference_scores, letters_to_indices(predictions, labels), bound, what,
                          min_decided=min_decided)
-
-
-def check_figure(measured: float, bound: Bound, what: str) -> float:
-    """A difference measured elsewhere (a rank's own comparison): asserts it is within the bound."""
-    MEASURED.setdefault(_current_test(), []).append((what, measured, bound))
-    assert measured <= bound.value, (f"{what}: difference {measured:.3g} exceeds the bound {bound.value:.3g} "
-                                     f"({bound.source})")
-    return measured
 
 
 def judge_answers(got: dict, want: dict, where: str, bound: Bound = FP32_SCORES) -> Judgement:

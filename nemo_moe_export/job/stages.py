@@ -52,8 +52,8 @@ from nemo_moe_export.evaluate.options import MMLUOptions
 from nemo_moe_export.evaluate.scoring import results_to_markdown
 from nemo_moe_export.evaluate.task import Task, load_task
 from nemo_moe_export.export import ExportStep, verify_checkpoint
-from nemo_moe_export.serving.vllm_logprobs import check_with_vllm, vllm_python
-from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.export.config_json import CONFIG_FILE
+from nemo_moe_export.export.options import ExportOptions, parse_dtype
 from nemo_moe_export.hooks import HookList, RecipeContext
 from nemo_moe_export.job.checks import check_config, check_export_target, export_target
 from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
@@ -62,6 +62,7 @@ from nemo_moe_export.megatron import MegatronCausalLM
 from nemo_moe_export.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
 from nemo_moe_export.parallel import dist_info, init_distributed, resolve_device
 from nemo_moe_export.plugin import AdapterHook
+from nemo_moe_export.serving.vllm_logprobs import check_with_vllm, vllm_python
 from nemo_moe_export.watchdog import finished, report_job_failure, watch_job
 
 __all__ = ["CheckedRecipe", "check_recipe", "run_recipe"]
@@ -320,7 +321,7 @@ def _verify_stage(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], inf
                 if trained and "mmlu_scores" in results:
                     outcome["trained_accuracy"] = trained.get("acc")
                     outcome["answers"] = compare_answers(results["mmlu_scores"], reloaded["scores"],
-                                                         _compared_dtype(checked))
+                                                         _compared_dtype(checked, path))
                     outcome["ok"] = outcome["ok"] and outcome["answers"]["ok"]
         if report.ok:
             _serve_with_vllm(path, outcome, log)
@@ -333,11 +334,13 @@ def _verify_stage(checked: CheckedRecipe, ctx: Any, results: dict[str, Any], inf
     return outcome
 
 
-def _compared_dtype(checked: CheckedRecipe) -> torch.dtype:
-    """The coarser dtype of the trained model's and the export's: what the reload's answers are
-    compared at (FP8 exports: e4m3)."""
-    options = checked.export.options if checked.export is not None else None
-    export_dtype = options and (torch.float8_e4m3fn if options.quantize else options.torch_dtype)
+def _compared_dtype(checked: CheckedRecipe, path: str) -> torch.dtype:
+    """The coarser dtype of the trained model's and the export's as the reload reads it: its
+    config.json, which verify has checked against the files (FP8 exports: e4m3), also when this
+    run did not write the export."""
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        written = json.load(f)
+    export_dtype = torch.float8_e4m3fn if "quantization_config" in written else parse_dtype(written.get("dtype"))
     return coarsest_dtype(model_dtype(checked.cfg.model), export_dtype)
 
 
