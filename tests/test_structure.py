@@ -109,3 +109,29 @@ def test_imports_inside_functions_are_only_optional_frameworks():
             if in_function and not (module or "").startswith(OPTIONAL):
                 local.append(f"{name}:{node.lineno} imports {module}")
     assert not local, "imports inside functions (move them to the module's top):\n" + "\n".join(local)
+
+
+# The longest a function of the package may be, its docstring included (docs/design.md#options-and-defaults,
+# "Imports and layers"): a longer one is split into parts a reader finds by name.
+MAX_FUNCTION_LINES = 60
+
+
+def _long_functions(tree: ast.Module, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int, int]]:
+    """``(name, first line, lines)`` of every function of ``tree`` (methods and nested ones too)
+    longer than ``limit`` lines, decorators not counted."""
+    return [(node.name, node.lineno, node.end_lineno - node.lineno + 1) for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit]
+
+
+def test_the_length_check_finds_a_long_function():
+    lines = [f"x{i} = {i}" for i in range(60)]
+    method = "".join(f"        {line}\n" for line in lines)
+    tree = ast.parse(f"def short():\n    return 1\n\nclass C:\n    def long(self):\n{method}")
+    assert _long_functions(tree) == [("long", 5, 61)]
+    assert _long_functions(ast.parse("def f():\n" + "".join(f"    {line}\n" for line in lines[1:]))) == []
+
+
+def test_no_function_of_the_package_is_over_60_lines():
+    long = [f"{name}.{fn}:{line} is {n} lines" for name, tree in sorted(_modules().items())
+            for fn, line, n in _long_functions(tree)]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named parts):\n" + "\n".join(long)

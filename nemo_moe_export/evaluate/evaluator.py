@@ -158,38 +158,61 @@ def evaluate_mmlu(
     batches, budget, prefixes, uniform_shapes = global_batches(model, prepared, opts)
     plan = plan_steps(batches, opts.policy, layout, uniform_shapes=uniform_shapes)
     prepared_at = time.perf_counter()
-    # the first collective: every rank arrived, with the same plan
     coordinator = coordinator or phase_coordinator(layout, timeout_s=opts.timeout_s, name=name)
-    fingerprint = plan_fingerprint(prepared, batches, plan)  # compared through words on the agreement
-    summed = _agree(coordinator, "prepare", None, opts.policy, sums=fingerprint_words(fingerprint))
-    coordinator.require_same("MMLU batch plan", fingerprint, key="questions", summed=summed,
-                             hint="every rank must evaluate the same questions with the same tokenizer and options "
-                                  "(and, with tokens_per_batch=None, on the same kind of device)")
+    _agree_on_plan(coordinator, plan_fingerprint(prepared, batches, plan), opts.policy)
     # 3. forward steps, with an agreement every opts.agree_every steps
     runner = ForwardRunner(model, prepared.rows, pad_token_id(tokenizer, model_vocab_size(model)), softmax_dtype,
                            prefixes)
+    row_scores, error = _forward_steps(runner, model, batches, plan, layout, coordinator, opts, name)
+    forwards_done = time.perf_counter()
+    gathered = _gathered(coordinator, runner, row_scores, error, layout, opts.policy)  # 4. gather
+    records = score_records(prepared, _merged(scores for scores, _ in gathered))
+    return MMLUResult(
+        metrics=aggregate(record_outcomes(records), prepared.task), records=records, policy=opts.policy,
+        layout=layout_summary(layout),
+        timing=timing_summary(started, prepared_at, forwards_done, time.perf_counter(), len(prepared.questions)),
+        padding=padding_summary(tally for _, tally in gathered if tally is not None),
+        scoring=_scoring(model, prepared, opts, batches, budget, prefixes, uniform_shapes, runner.packed),
+        steps=plan.n_steps, task=load_task(prepared.task).name,
+    )
+
+
+def _agree_on_plan(coordinator: Coordinator, fingerprint: str, policy: str) -> None:
+    """The first collective: every rank arrived, with the same plan (the plan's fingerprint is
+    compared through words summed on the agreement)."""
+    summed = _agree(coordinator, "prepare", None, policy, sums=fingerprint_words(fingerprint))
+    coordinator.require_same("MMLU batch plan", fingerprint, key="questions", summed=summed,
+                             hint="every rank must evaluate the same questions with the same tokenizer and options "
+                                  "(and, with tokens_per_batch=None, on the same kind of device)")
+
+
+def _forward_steps(runner: ForwardRunner, model: Any, batches: Sequence[Batch], plan: StepPlan,
+                   layout: ParallelLayout, coordinator: Coordinator, opts: MMLUOptions,
+                   name: str) -> tuple[dict[int, list[float]], BaseException | None]:
+    """Step 3: this rank's forward steps of ``plan`` in inference mode (:func:`_run_steps`), then
+    its scores read from the device once, or the error reading them raised."""
     with inference(model):
         _run_steps(runner, batches, plan, coordinator, lambda: _model_groups(model, layout, coordinator),
                    name=name, show_progress=opts.progress, agree_every=opts.agree_every)
-        row_scores, error = _read_scores(runner)
-    forwards_done = time.perf_counter()
-    # 4. gather, after an agreement: a rank still stuck in a step is reported, not mismatched
-    _agree(coordinator, "gather", error, opts.policy)
-    # under pipeline stages every rank of a pipeline ran the same forwards: its tally counts once
-    gathered = coordinator.all_gather((row_scores, runner.tally if layout.pp.rank == 0 else None))
-    records = score_records(prepared, _merged(scores for scores, _ in gathered))
-    metrics = aggregate(record_outcomes(records), prepared.task)
-    finished = time.perf_counter()
-    return MMLUResult(
-        metrics=metrics, records=records, policy=opts.policy, layout=layout_summary(layout),
-        timing=timing_summary(started, prepared_at, forwards_done, finished, len(prepared.questions)),
-        padding=padding_summary(tally for _, tally in gathered if tally is not None),
-        scoring=scoring_summary(prepared, batch_size=opts.batch_size, batches=batches, uniform_shapes=uniform_shapes,
-                                tokens_per_batch=budget, prefixes=prefixes,
-                                prefix_attention=("packed" if runner.packed else "copied") if prefixes else None,
-                                prefix_status=_shared_prefix_state(model, opts, uniform_shapes)),
-        steps=plan.n_steps, task=load_task(prepared.task).name,
-    )
+        return _read_scores(runner)
+
+
+def _gathered(coordinator: Coordinator, runner: ForwardRunner, row_scores: dict[int, list[float]],
+              error: BaseException | None, layout: ParallelLayout, policy: str) -> list[Any]:
+    """Step 4: every rank's ``(row scores, padding tally)``, after an agreement, so that a rank
+    still stuck in a step is reported, not mismatched. Under pipeline stages every rank of a
+    pipeline ran the same forwards: its tally counts once (the first stage's)."""
+    _agree(coordinator, "gather", error, policy)
+    return coordinator.all_gather((row_scores, runner.tally if layout.pp.rank == 0 else None))
+
+
+def _scoring(model: Any, prepared: PreparedQuestions, opts: MMLUOptions, batches: list[Batch], budget: int,
+             prefixes: tuple[SharedPrefix, ...], uniform_shapes: bool, packed: bool) -> dict[str, Any]:
+    """``MMLUResult.scoring``: how the prompts were scored, batched and their prefixes shared."""
+    return scoring_summary(prepared, batch_size=opts.batch_size, batches=batches, uniform_shapes=uniform_shapes,
+                           tokens_per_batch=budget, prefixes=prefixes,
+                           prefix_attention=("packed" if packed else "copied") if prefixes else None,
+                           prefix_status=_shared_prefix_state(model, opts, uniform_shapes))
 
 
 def global_batches(model: Any, prepared: PreparedQuestions, opts: MMLUOptions
