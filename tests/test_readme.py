@@ -627,35 +627,81 @@ def _anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def test_design_anchors_cited_anywhere_exist():
-    design = ROOT / "docs" / "design.md"
-    anchors = {_anchor(h) for h in re.findall(r"^#+ (.*)$", design.read_text(), flags=re.M)}
+def _design_citations() -> dict[str, str]:
+    """Every ``docs/design.md#anchor`` (and ``#anchor, "Paragraph"``) cited in the repository's code,
+    tests, benchmarks, examples and pages, with one file citing it."""
     cited = {}
-    for base in ("nemo_moe_export", "tests", "benchmarks", "docs", "examples"):
-        for path in (ROOT / base).rglob("*"):
-            if path.suffix in (".py", ".md", ".yaml") and path.is_file() and path.name != "test_readme.py":
-                for anchor in re.findall(r"design\.md#([\w-]+)", path.read_text()):
-                    cited.setdefault(anchor, path.relative_to(ROOT).as_posix())
-    for anchor in re.findall(r"design\.md#([\w-]+)", README.read_text()):
-        cited.setdefault(anchor, "README.md")
-    missing = {a: where for a, where in cited.items() if a not in anchors}
-    assert not missing, f"design.md has no heading for {missing}"
+    paths = [README] + [path for base in ("nemo_moe_export", "tests", "benchmarks", "docs", "examples")
+                        for path in sorted((ROOT / base).rglob("*"))
+                        if path.suffix in (".py", ".md", ".yaml") and path.is_file() and path.name != "test_readme.py"]
+    for path in paths:
+        for anchor, paragraph in re.findall(r'design\.md#([\w-]+)(?:, "([^"]+)")?', path.read_text()):
+            cited.setdefault((anchor, paragraph), path.relative_to(ROOT).as_posix())
+    return cited
+
+
+def test_design_anchors_cited_anywhere_exist():
+    """A cited section must have a heading, and a cited paragraph (``#section, "Its title"``) must
+    open with that bold title inside the section."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    sections = {_anchor(h): body for h, body in re.findall(r"^#+ (.*)\n((?:(?!^#).*\n?)*)", text, flags=re.M)}
+    cited = _design_citations()
+    missing = {f"{a}, {p!r}" if p else a: where for (a, p), where in cited.items()
+               if a not in sections or (p and f"**{p}" not in sections[a])}
+    assert not missing, f"design.md has no heading or paragraph for {missing}"
+    assert ("coordination-protocol", "The model's groups are bounded too") in cited  # the check reads them
+
+
+def _layout_entries(tree: str) -> dict[str, str]:
+    """The package tree of docs/layout.md by entry: ``{"parallel/": its lines, "cli.py": ...}`` (an
+    entry is a line indented two spaces and the deeper lines under it)."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in tree.splitlines()[1:]:
+        if match := re.match(r"^  ([\w.]+/?)", line):
+            current = match.group(1)
+            entries[current] = line
+        elif re.match(r"^\S", line):
+            current = None  # the next top-level folder (examples/, tests/): not the package
+        elif current:
+            entries[current] += "\n" + line
+    return entries
+
+
+def _layout_problems(entries: dict[str, str]) -> list[str]:
+    """What the layout's entries get wrong about the package as it is on disk: an entry that is not
+    in the package or the reverse, a module of a folder its entry does not name, a module an entry
+    names that is neither in that folder nor at the package's top."""
+    package = {p.name + ("/" if p.is_dir() else "") for p in PACKAGE_DIR.iterdir()
+               if not p.name.startswith("_") and p.name != "__pycache__"}
+    problems = [f"{name}: listed, not in the package" for name in sorted(set(entries) - package)]
+    problems += [f"{name}: in the package, not listed" for name in sorted(package - set(entries))]
+    for name, text in sorted(entries.items()):
+        folder = PACKAGE_DIR / name
+        if not name.endswith("/") or not folder.is_dir():
+            continue
+        problems += [f"{name}{m.name}: not named in its folder's entry" for m in sorted(folder.glob("*.py"))
+                     if m.name != "__init__.py" and not re.search(rf"(?<![\w/]){re.escape(m.name)}\b", text)]
+        problems += [f"{name}: names {module}, which does not exist" for module in
+                     sorted(set(re.findall(r"(?<![\w/.])([a-z_]+\.py)\b", text)))
+                     if not (folder / module).exists() and not (PACKAGE_DIR / module).exists()]
+    return problems
 
 
 def test_the_layout_lists_every_module_of_the_package():
     tree = next(b.text for b in page_blocks(ROOT / "docs" / "layout.md", "text") if b.text.startswith("nemo_moe_export/"))
-    listed = set(re.findall(r"^  ([\w.]+/?)", tree, flags=re.M))
-    package = {p.name + ("/" if p.is_dir() else "") for p in PACKAGE_DIR.iterdir()
-               if not p.name.startswith("_") and p.name != "__pycache__"}
-    assert listed == package, f"listed, not in the package: {sorted(listed - package)}; " \
-                              f"in the package, not listed: {sorted(package - listed)}"
-    unnamed = [f"{folder.name}/{module.name}" for folder in PACKAGE_DIR.iterdir() if folder.is_dir()
-               for module in folder.glob("*.py")
-               if module.name != "__init__.py" and not re.search(rf"\b{re.escape(module.name)}\b", tree)]
-    assert not unnamed, f"modules the layout does not name: {unnamed}"
-    named = set(re.findall(r"\b([a-z_]+\.py)\b", tree))
-    existing = {m.name for m in PACKAGE_DIR.rglob("*.py")}
-    assert named <= existing, f"the layout names modules that do not exist: {sorted(named - existing)}"
+    problems = _layout_problems(_layout_entries(tree))
+    assert not problems, "docs/layout.md's tree differs from the package:\n" + "\n".join(problems)
+
+
+def test_the_layout_check_catches_a_missing_and_a_stale_module():
+    tree = "nemo_moe_export/\n  parallel/          world.py, layout.py, gone.py\n  cli.py  the CLI\ntests/  x.py\n"
+    entries = _layout_entries(tree)
+    assert entries["parallel/"].endswith("gone.py") and "tests/" not in entries
+    problems = _layout_problems(entries)
+    assert "parallel/coordinator.py: not named in its folder's entry" in problems
+    assert "parallel/: names gone.py, which does not exist" in problems
+    assert "adapters/: in the package, not listed" in problems
 
 
 def test_the_span_check_catches_stale_names():
