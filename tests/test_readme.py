@@ -715,7 +715,8 @@ def test_the_span_check_catches_stale_names():
 # --- the public API the README teaches ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", ["nemo_moe_export", "nemo_moe_export.hooks", "nemo_moe_export.integrations"])
+@pytest.mark.parametrize("module", ["nemo_moe_export", "nemo_moe_export.hooks", "nemo_moe_export.integrations",
+                                    "nemo_moe_export.parallel"])
 def test_public_all_lists_names_that_exist(module):
     mod = importlib.import_module(module)
     missing = [name for name in mod.__all__ if not hasattr(mod, name)]
