@@ -359,6 +359,18 @@ class StateDictAdapter(BaseStateDictAdapter):
         groups, sizes = self._split_sizes(key, rule, box.global_shape)
         yield from interleaved_pieces(key, rule, m, box, groups, sizes, merge)
 
+    def box_pieces(self, key: str, box: LocalBox) -> list[HFShard]:
+        """The HF pieces of one box of the in-memory tensor ``key`` (views of ``box.local``, an
+        interleaved split's per-group runs apart): what a checkpoint converter maps a stored box
+        through (docs/design.md#megatron-torch_dist-keys). A tied alias gives none."""
+        if self._skipped(key):
+            return []
+        (_, _, rule, m), = self._entries({key: box.local})
+        if rule is None:
+            return [HFShard(key, box.global_shape, box.offsets, box.local, box.primary, key,
+                            replica=box.replica, replicas=box.replicas)]
+        return list(self._pieces_of(key, rule, m, box, merge=False))
+
     # ---- to_hf / from_hf ------------------------------------------------------------------------
 
     def _pieces(self, state_dict: Mapping[str, torch.Tensor],
