@@ -31,10 +31,13 @@ MEGATRON_METADATA = "metadata.json"  # megatron-core dist_checkpointing's own no
 
 # The globals a DCP ``.metadata`` pickle may name (module, name): its records, their torch types,
 # and the checkpoint id (a path) ``StorageMeta`` keeps. Anything else is refused.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed.checkpoint.planner")
 _DCP_RECORDS = frozenset({
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
     "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING", "_StorageInfo", "_StoragePrefix",
+    # megatron-core's torch_dist keeps its save plan in the metadata (Metadata.planner_data)
+    "SavePlan", "WriteItem", "TensorWriteData", "WriteItemType",
 })
 _OTHER_GLOBALS = frozenset({
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),

@@ -1,0 +1,142 @@
+"""Conversion of megatron-core ``torch_dist`` checkpoints (docs/convert.md#megatron-torch_dist):
+checkpoints written by megatron-core 0.16.1 itself (``megatron_checkpoints.py``: one spawn of 4
+ranks writes both families under TP2 x EP2 + SP, PP2 x EP2 and ETP2, with optimizer state, RNG and
+``args``), each compared with the in-job export of the same weights (megatron's own load into the
+model, then ``export_hf_checkpoint``).
+
+The table alone: every stored box read with torch DCP, mapped by the table, assembled; equal,
+tensor for tensor (dtype and value), to the in-job export, every element covered once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from megatron_checkpoints import CASES, checkpoint_dir, export_dir, write_checkpoints
+from nemo_moe_export.convert import StoredTensor, read_index, table_for
+from nemo_moe_export.convert.megatron import FORMAT
+from nemo_moe_export.errors import InputError
+
+CASE_IDS = [f"{layout}-{family}" for layout, family in CASES]
+
+
+@pytest.fixture(scope="session")
+def megatron_root(tmp_path_factory):
+    """Every case's checkpoint and expected export, written once per test session."""
+    root = str(tmp_path_factory.mktemp("megatron_torch_dist"))
+    write_checkpoints(root)
+    return root
+
+
+def _expected(root: str, layout: str, family: str) -> dict[str, torch.Tensor]:
+    files = glob.glob(os.path.join(export_dir(root, layout, family), "*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def _table(root: str, layout: str, family: str):
+    index = read_index(checkpoint_dir(root, layout, family))
+    return index, table_for(index, AutoConfig.from_pretrained(export_dir(root, layout, family)))
+
+
+def _box(chunk) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))
+
+
+def _assembled(index, table) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every HF tensor assembled from the table's pieces of every stored box (read with torch DCP),
+    and how many times each element was written."""
+    meta = table.hf_metadata(index)
+    stored = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in index.tensors.items() if not table.skipped(k)}
+    dcp.load(stored, checkpoint_id=index.directory, no_dist=True)
+    out = {k: torch.zeros(m.shape, dtype=m.dtype) for k, m in meta.items()}
+    count = {k: torch.zeros(m.shape, dtype=torch.int32) for k, m in meta.items()}
+    for key in stored:
+        for chunk in index.tensors[key].chunks:
+            for piece in table.pieces(key, chunk.offsets, stored[key][_box(chunk)]):
+                assert piece.source_key == key and piece.primary
+                where = tuple(slice(o, o + s) for o, s in zip(piece.offsets, piece.tensor.shape))
+                out[piece.key][where] = piece.tensor
+                count[piece.key][where] += 1
+    return out, count
+
+
+@pytest.mark.parametrize("layout,family", CASES, ids=CASE_IDS)
+def test_the_tables_pieces_of_every_stored_box_are_the_in_job_export(layout, family, megatron_root):
+    index, table = _table(megatron_root, layout, family)
+    assert index.format == FORMAT and table.format == FORMAT
+    out, count = _assembled(index, table)
+    expected = _expected(megatron_root, layout, family)
+    assert set(out) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(count[key], torch.ones_like(count[key])), f"{key}: elements not written exactly once"
+        assert out[key].dtype == value.dtype and torch.equal(out[key], value), key
+
+
+@pytest.mark.parametrize("layout,family", CASES, ids=CASE_IDS)
+def test_training_state_is_skipped_by_rule_and_every_weight_is_mapped(layout, family, megatron_root):
+    index, table = _table(megatron_root, layout, family)
+    skipped = {k for k in index.tensors if table.skipped(k)}
+    assert skipped and all(k.startswith("optimizer.state.exp_avg") for k in skipped)
+    # an optimizer key has its weight's shape and chunks: told apart by rule, not by shape
+    weight = next(k for k in index.tensors if f"optimizer.state.exp_avg.{k}" in index.tensors)
+    assert index.tensors[f"optimizer.state.exp_avg.{weight}"].shape == index.tensors[weight].shape
+    assert all(table.skipped(k) for k in index.other)
+    assert any(k.startswith("rng_state/") for k in index.other)
+    assert any("._extra_state/" in k for k in index.other)
+    mapped = {p.source_key for k in index.tensors if not table.skipped(k)
+              for p in table.pieces(k, (0,) * len(index.tensors[k].shape),
+                                    torch.zeros(index.tensors[k].shape, dtype=index.tensors[k].dtype))}
+    assert mapped == {k for k in index.tensors if not table.skipped(k)}
+
+
+def test_what_megatron_records_stacked_layers_global_experts_glu_chunks(megatron_root):
+    """What the table relies on, as megatron-core 0.16.1 wrote it (docs/design.md#megatron-torch_dist-keys)."""
+    qwen = read_index(checkpoint_dir(megatron_root, "tp2_ep2_sp", "qwen3_moe"))
+    fc1 = qwen.tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert fc1.shape == (2, 4, 2 * 16, 32)  # (layers, experts, [gate; up], hidden)
+    assert len(fc1.chunks) == 2 * 4 * 4  # per layer and expert: gate and up rows of each of 2 expert-TP ranks
+    assert qwen.tensors["embedding.word_embeddings.weight"].shape[0] == 256  # 62 tokens padded to 128 * TP
+    deepseek = read_index(checkpoint_dir(megatron_root, "pp2_ep2", "deepseek_v3"))
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in deepseek.tensors  # heterogeneous: per layer
+    assert deepseek.tensors["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"].shape[0] == 4
+    assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight" in deepseek.tensors
+    stacked = read_index(checkpoint_dir(megatron_root, "pp2_ep2", "qwen3_moe"))
+    owners = {c.file for c in stacked.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks}
+    assert len(owners) == 2  # each pipeline stage wrote its own slice of the layer axis
+
+
+def _with_tensor(index, key: str, like: str):
+    stored = index.tensors[like]
+    tensors = {**index.tensors, key: StoredTensor(key, stored.shape, stored.dtype, stored.chunks)}
+    return dataclasses.replace(index, tensors=tensors)
+
+
+def test_an_unknown_key_is_refused_by_name(megatron_root):
+    index, _ = _table(megatron_root, "etp2", "qwen3_moe")
+    config = AutoConfig.from_pretrained(export_dir(megatron_root, "etp2", "qwen3_moe"))
+    bad = _with_tensor(index, "decoder.layers.mlp.experimental_gate.weight", "decoder.layers.mlp.router.weight")
+    with pytest.raises(InputError, match="decoder.layers.mlp.experimental_gate.weight"):
+        table_for(bad, config).hf_metadata(bad)
+    odd = dataclasses.replace(index, other=index.other | {"dataloader_state/shard_0_1"})
+    with pytest.raises(InputError, match="dataloader_state/shard_0_1"):
+        table_for(odd, config)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_hidden_layers", 3, "decoder layers are not the config's"),
+    ("num_experts", 8, "expert axis disagrees with the config"),
+    ("vocab_size", 300, "vocab_size does not fit"),
+])
+def test_a_config_of_another_model_is_refused(field, value, message, megatron_root):
+    index, _ = _table(megatron_root, "tp2_ep2_sp", "qwen3_moe")
+    config = AutoConfig.from_pretrained(export_dir(megatron_root, "tp2_ep2_sp", "qwen3_moe"), **{field: value})
+    with pytest.raises(InputError, match=message):
+        table_for(index, config).hf_metadata(index)
