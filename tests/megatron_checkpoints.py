@@ -143,6 +143,8 @@ def _rng_state():
 
 def _args(gpt, sizes: dict) -> argparse.Namespace:
     """The model fields of Megatron-LM's training arguments (its names), as its checkpoints keep them."""
+    from megatron.core.transformer.enums import AttnBackend
+
     cfg = gpt.config
     fields = dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
@@ -158,7 +160,8 @@ def _args(gpt, sizes: dict) -> argparse.Namespace:
         multi_latent_attention=cfg.multi_latent_attention, qk_layernorm=cfg.qk_layernorm,
         q_lora_rank=getattr(cfg, "q_lora_rank", None), kv_lora_rank=getattr(cfg, "kv_lora_rank", None),
         qk_head_dim=getattr(cfg, "qk_head_dim", None), qk_pos_emb_head_dim=getattr(cfg, "qk_pos_emb_head_dim", None),
-        v_head_dim=getattr(cfg, "v_head_dim", None), mtp_num_layers=cfg.mtp_num_layers,
+        v_head_dim=getattr(cfg, "v_head_dim", None), rope_type=getattr(cfg, "rope_type", None),
+        mtp_num_layers=cfg.mtp_num_layers,
         normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon, swiglu=True,
         add_bias_linear=cfg.add_bias_linear, position_embedding_type="rope", rotary_base=int(gpt.rotary_base),
         max_position_embeddings=gpt.max_sequence_length, seq_length=gpt.max_sequence_length,
@@ -168,6 +171,7 @@ def _args(gpt, sizes: dict) -> argparse.Namespace:
         tensor_model_parallel_size=sizes["tp"], pipeline_model_parallel_size=sizes["pp"],
         expert_model_parallel_size=sizes["ep"], expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
         sequence_parallel=sizes["sp"], ckpt_format="torch_dist", iteration=1,
+        attention_backend=AttnBackend.auto,  # an enum of megatron's: not a global torch.load admits
     )
     return argparse.Namespace(**fields)
 

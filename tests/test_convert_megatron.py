@@ -140,3 +140,54 @@ def test_a_config_of_another_model_is_refused(field, value, message, megatron_ro
     config = AutoConfig.from_pretrained(export_dir(megatron_root, "tp2_ep2_sp", "qwen3_moe"), **{field: value})
     with pytest.raises(InputError, match=message):
         table_for(index, config).hf_metadata(index)
+
+
+# --------------------------------------------------------------------------------------------------
+# The HF config from megatron's common.pt
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout,family", CASES, ids=CASE_IDS)
+def test_the_config_derived_from_common_pt_is_the_in_job_exports(layout, family, megatron_root, tmp_path):
+    import json
+
+    from nemo_moe_export.convert.megatron_config import config_from_checkpoint
+    from nemo_moe_export.export.config_json import CONFIG_FILE, write_config_json
+
+    index = read_index(checkpoint_dir(megatron_root, layout, family))
+    config = config_from_checkpoint(index)  # args holds an enum of megatron's (AttnBackend): read inert
+    assert not hasattr(config, "in_memory_format")
+    write_config_json(str(tmp_path), config, torch.float32)
+    with open(tmp_path / CONFIG_FILE) as f:
+        derived = json.load(f)
+    with open(os.path.join(export_dir(megatron_root, layout, family), CONFIG_FILE)) as f:
+        expected = json.load(f)
+    assert derived == expected
+
+
+class _Payload:
+    """Would run a command if unpickled with its globals (a hostile common.pt)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_common_pt_without_args_or_with_foreign_globals_asks_for_a_config(tmp_path):
+    import types
+
+    from nemo_moe_export.convert.megatron_config import COMMON_FILE, config_from_checkpoint
+
+    index = types.SimpleNamespace(directory=str(tmp_path), tensors={})
+    with pytest.raises(InputError, match="no common.pt.*--config"):
+        config_from_checkpoint(index)
+    torch.save({"iteration": 1}, tmp_path / COMMON_FILE)  # the repo's own training checkpoints: no args
+    with pytest.raises(InputError, match="holds no training arguments.*--config"):
+        config_from_checkpoint(index)
+    marker = tmp_path / "ran"
+    torch.save({"args": _Payload(str(marker))}, tmp_path / COMMON_FILE)
+    with pytest.raises(InputError, match="cannot be read.*GLOBAL posix.system.*--config") as refused:
+        config_from_checkpoint(index)
+    assert "weights_only" not in str(refused.value) and not marker.exists()  # never called
