@@ -18,7 +18,8 @@ Adam step.
 
 The expected export of each checkpoint is made in the same spawn the way a job would: a fresh model
 (other seed) on the same layout loads the checkpoint with megatron's own ``dist_checkpointing.load``
-(``load_training_checkpoint``) and ``export_hf_checkpoint`` writes it.
+(Megatron-LM keeps the model under ``"model"``) and ``export_hf_checkpoint`` writes it, in float32
+(the model's dtype) and cast to bfloat16.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ LAYOUTS = {
     "pp2_ep2": dict(tp=1, pp=2, ep=2, etp=None, sp=False),
     "etp2": dict(tp=1, pp=1, ep=2, etp=2, sp=False),
 }
+EXPORT_DTYPES = ("float32", "bfloat16")  # the model's own, and the cast transformers makes
 CASES = [(layout, family) for layout in LAYOUTS for family in FAMILIES]
 
 
@@ -45,8 +47,8 @@ def checkpoint_dir(root: str, layout: str, family: str) -> str:
     return os.path.join(root, f"{layout}-{family}", "torch_dist")
 
 
-def export_dir(root: str, layout: str, family: str) -> str:
-    return os.path.join(root, f"{layout}-{family}", "export")
+def export_dir(root: str, layout: str, family: str, dtype: str = "float32") -> str:
+    return os.path.join(root, f"{layout}-{family}", f"export-{dtype}")
 
 
 def write_checkpoints(root: str, timeout_s: float = 600.0) -> dict:
@@ -69,7 +71,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
                                      expert_tensor_parallel_size=sizes["etp"])
         for family in FAMILIES:
             out[(layout, family)] = _save(family, sizes, checkpoint_dir(root, layout, family))
-            _export(family, sizes, checkpoint_dir(root, layout, family), export_dir(root, layout, family))
+            _export(family, sizes, checkpoint_dir(root, layout, family), root, layout)
         ps.destroy_model_parallel()
     return out
 
@@ -176,7 +178,7 @@ def _args(gpt, sizes: dict) -> argparse.Namespace:
     return argparse.Namespace(**fields)
 
 
-def _export(family: str, sizes: dict, path: str, out: str) -> None:
+def _export(family: str, sizes: dict, path: str, root: str, layout: str) -> None:
     from megatron.core import dist_checkpointing
 
     from nemo_moe_export.export import export_hf_checkpoint
@@ -186,4 +188,5 @@ def _export(family: str, sizes: dict, path: str, out: str) -> None:
     loaded = dist_checkpointing.load({"model": _sharded_model(model.gpt)}, path)
     model.gpt.load_state_dict(loaded["model"])
     model.sync_embedding_copy()
-    export_hf_checkpoint(out, model, timeout_s=60)
+    for dtype in EXPORT_DTYPES:
+        export_hf_checkpoint(export_dir(root, layout, family, dtype), model, dtype=dtype, timeout_s=60)

@@ -5,13 +5,20 @@ ranks writes both families under TP2 x EP2 + SP, PP2 x EP2 and ETP2, with optimi
 model, then ``export_hf_checkpoint``).
 
 The table alone: every stored box read with torch DCP, mapped by the table, assembled; equal,
-tensor for tensor (dtype and value), to the in-job export, every element covered once.
+tensor for tensor (dtype and value), to the in-job export, every element covered once. The engine
+(``convert_checkpoint``): one launch of 4 ranks converts every checkpoint on 1, 2, 3 and 4 ranks
+(the first n ranks as a group; the checkpoints were saved by 4), in float32 on 1 and 2 ranks (2:
+with no config given, derived from ``common.pt``) and cast to bfloat16 on 3 and 4; each equal to
+the in-job export in that dtype, loadable by transformers, the ranks reading exactly the model's
+stored bytes (torch's own reading of the metadata counts them; the optimizer's never) and writing
+each byte once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 
 import pytest
@@ -22,8 +29,11 @@ from transformers import AutoConfig
 
 from megatron_checkpoints import CASES, checkpoint_dir, export_dir, write_checkpoints
 from nemo_moe_export.convert import StoredTensor, read_index, table_for
+from nemo_moe_export.convert.engine import convert_checkpoint
 from nemo_moe_export.convert.megatron import FORMAT
 from nemo_moe_export.errors import InputError
+from nemo_moe_export.export.config_json import CONFIG_FILE
+from nemo_moe_export.spawn import spawn
 
 CASE_IDS = [f"{layout}-{family}" for layout, family in CASES]
 
@@ -36,9 +46,12 @@ def megatron_root(tmp_path_factory):
     return root
 
 
-def _expected(root: str, layout: str, family: str) -> dict[str, torch.Tensor]:
-    files = glob.glob(os.path.join(export_dir(root, layout, family), "*.safetensors"))
-    return {k: v for f in files for k, v in load_file(f).items()}
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    return {k: v for f in glob.glob(os.path.join(path, "*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _expected(root: str, layout: str, family: str, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    return _tensors(export_dir(root, layout, family, dtype))
 
 
 def _table(root: str, layout: str, family: str):
@@ -149,10 +162,8 @@ def test_a_config_of_another_model_is_refused(field, value, message, megatron_ro
 
 @pytest.mark.parametrize("layout,family", CASES, ids=CASE_IDS)
 def test_the_config_derived_from_common_pt_is_the_in_job_exports(layout, family, megatron_root, tmp_path):
-    import json
-
     from nemo_moe_export.convert.megatron_config import config_from_checkpoint
-    from nemo_moe_export.export.config_json import CONFIG_FILE, write_config_json
+    from nemo_moe_export.export.config_json import write_config_json
 
     index = read_index(checkpoint_dir(megatron_root, layout, family))
     config = config_from_checkpoint(index)  # args holds an enum of megatron's (AttnBackend): read inert
@@ -191,3 +202,94 @@ def test_common_pt_without_args_or_with_foreign_globals_asks_for_a_config(tmp_pa
     with pytest.raises(InputError, match="cannot be read.*GLOBAL posix.system.*--config") as refused:
         config_from_checkpoint(index)
     assert "weights_only" not in str(refused.value) and not marker.exists()  # never called
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine: convert_checkpoint on 1, 2, 3 and 4 ranks
+# --------------------------------------------------------------------------------------------------
+
+WORLDS = (1, 2, 3, 4)
+DTYPES = {1: "float32", 2: "float32", 3: "bfloat16", 4: "bfloat16"}  # 2: the config derived from common.pt
+
+
+def _convert_on_subgroups(rank: int, world: int, root: str, out: str) -> dict:
+    """One launch of 4 ranks for every case: the first n ranks convert as a group of n."""
+    import torch.distributed as dist
+
+    results = {}
+    for n in WORLDS:
+        group = dist.new_group(list(range(n)))  # every rank of the world makes every group
+        for layout, family in CASES:
+            if rank < n:
+                config = None if n == 2 else export_dir(root, layout, family)
+                results[(layout, family, n)] = convert_checkpoint(
+                    checkpoint_dir(root, layout, family), os.path.join(out, f"{layout}-{family}-{n}"), config=config,
+                    dtype=None if DTYPES[n] == "float32" else DTYPES[n], group=group, progress_s=None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_root, tmp_path_factory) -> tuple[str, list[dict]]:
+    out = str(tmp_path_factory.mktemp("megatron_converted"))
+    return out, spawn(_convert_on_subgroups, 4, megatron_root, out, timeout_s=300)
+
+
+def _config_json(path: str) -> dict:
+    with open(os.path.join(path, CONFIG_FILE)) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("layout,family", CASES, ids=CASE_IDS)
+def test_converted_on_1_to_4_ranks_equals_the_in_job_export(layout, family, megatron_root, converted):
+    out, _ = converted
+    for n in WORLDS:
+        path = os.path.join(out, f"{layout}-{family}-{n}")
+        expected, got = _expected(megatron_root, layout, family, DTYPES[n]), _tensors(path)
+        assert sorted(got) == sorted(expected), n
+        for key, tensor in expected.items():
+            assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), (n, key)
+        # config.json: the in-job export's, given (as its directory) or derived from common.pt (n = 2)
+        assert _config_json(path) == _config_json(export_dir(megatron_root, layout, family, DTYPES[n])), n
+
+
+def _stored_model_bytes(path: str) -> tuple[int, int]:
+    """(bytes, items) of the model's stored tensors, from torch's own reading of the metadata:
+    every tensor item that is not the optimizer's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(path).read_metadata()
+    items = [info for index, info in metadata.storage_data.items()
+             if index.offset is not None and not index.fqn.startswith("optimizer.")]
+    return sum(info.length for info in items), len(items)
+
+
+@pytest.mark.parametrize("layout,family", CASES, ids=CASE_IDS)
+def test_bytes_read_are_the_model_bytes_never_the_optimizers_and_written_once(layout, family, megatron_root,
+                                                                               converted):
+    out, results = converted
+    stored, items = _stored_model_bytes(checkpoint_dir(megatron_root, layout, family))
+    for n in WORLDS:
+        ranks = [results[r][(layout, family, n)] for r in range(n)]
+        assert sum(r.rank_bytes_read for r in ranks) == stored == ranks[0].source_bytes, n
+        assert sum(r.items for r in ranks) == items, n
+        written = sum(t.numel() * t.element_size() for t in _tensors(os.path.join(out, f"{layout}-{family}-{n}")).values())
+        assert sum(r.rank_bytes_written for r in ranks) == written == ranks[0].checkpoint_bytes, n
+    # the optimizer's state (Adam's two moments of every weight) was there, and never read
+    index = read_index(checkpoint_dir(megatron_root, layout, family))
+    optimizer = sum(c.length for k, t in index.tensors.items() if k.startswith("optimizer.") for c in t.chunks)
+    assert optimizer > 1.9 * stored
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_transformers_loads_the_conversion(family, converted):
+    """No missing key; the only unexpected ones are DeepSeek-V3's MTP layer, which transformers
+    does not build (as for the in-job export)."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = converted
+    path = os.path.join(out, f"pp2_ep2-{family}-3")
+    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    layers = _config_json(path)["num_hidden_layers"]
+    assert all(k.startswith(f"model.layers.{layers}.") for k in info["unexpected_keys"]), info
+    assert bool(info["unexpected_keys"]) == (family == "deepseek_v3")

@@ -34,7 +34,7 @@ from nemo_moe_export.convert.assign import assign_work, model_chunks
 from nemo_moe_export.convert.checks import check_shapes, hf_config_of
 from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk, read_index
 from nemo_moe_export.convert.reader import ReadStats, check_files, read_chunks
-from nemo_moe_export.convert.tables import CheckpointTable, table_for
+from nemo_moe_export.convert.tables import CheckpointTable, recorded_config, table_for
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions
@@ -120,7 +120,8 @@ def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str],
     """Convert the checkpoint at ``src`` (megatron-core ``torch_dist``, torchtitan DCP or AutoModel's)
     to an HF checkpoint at ``out``; call on every rank of ``group`` (any number of ranks).
 
-    ``config`` is the model's HF config (a ``PretrainedConfig``, a ``config.json`` or its directory);
+    ``config`` is the model's HF config (a ``PretrainedConfig``, a ``config.json`` or its directory;
+    None: the one the checkpoint records, megatron's ``common.pt`` ``args``, else refused);
     ``dtype`` casts as the export does (what transformers keeps in float32 stays float32);
     ``tokenizer`` (a directory or a tokenizer) is written beside; ``overrides`` are
     :class:`~nemo_moe_export.export.options.ExportOptions` fields (``overwrite``, ``max_shard_size``,
@@ -199,11 +200,11 @@ def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer:
     """What each rank works out alone: the index, table, checks, plan and its share of the reading."""
     target = ExportTarget.at(out)
     target.check(options.overwrite)
-    hf_config = hf_config_of(config)
+    index = read_index(src)
+    hf_config = hf_config_of(config if config is not None else recorded_config(index))
     if _is_path(tokenizer) and not os.path.isdir(tokenizer):
         raise InputError("the tokenizer directory does not exist", key="tokenizer", expected="a directory",
                          actual=os.fspath(tokenizer))
-    index = read_index(src)
     table = table_for(index, hf_config)
     metadata = table.hf_metadata(index)
     check_shapes(metadata, hf_config)

@@ -16,7 +16,7 @@ from nemo_moe_export.adapters import HFShard, TensorMeta
 from nemo_moe_export.convert.index import CheckpointIndex
 from nemo_moe_export.errors import InputError
 
-__all__ = ["CheckpointTable", "register_table", "table_for"]
+__all__ = ["CheckpointTable", "recorded_config", "register_table", "table_for"]
 
 
 @runtime_checkable
@@ -42,8 +42,22 @@ _TABLE_MODULES = ("nemo_moe_export.convert.megatron", "nemo_moe_export.convert.t
                   "nemo_moe_export.convert.automodel")
 
 
-def register_table(format: str, factory: Callable[[CheckpointIndex, Any], CheckpointTable]) -> None:
+# format -> the HF config its checkpoints record (megatron's common.pt), for a conversion given none
+_CONFIGS: dict[str, Callable[[CheckpointIndex], Any]] = {}
+
+
+def register_table(format: str, factory: Callable[[CheckpointIndex, Any], CheckpointTable],
+                   recorded_config: Callable[[CheckpointIndex], Any] | None = None) -> None:
     _TABLES[format] = factory
+    if recorded_config is not None:
+        _CONFIGS[format] = recorded_config
+
+
+def recorded_config(index: CheckpointIndex) -> Any:
+    """The HF config the checkpoint itself records, or None where its format records none."""
+    _load_tables()
+    derive = _CONFIGS.get(index.format)
+    return None if derive is None else derive(index)
 
 
 def _load_tables() -> None:
