@@ -7,7 +7,11 @@ along a layer axis), under
 
 * ``tp2_ep2_sp``: TP2 x EP2 with sequence parallelism (expert-TP follows TP: 2);
 * ``pp2_ep2``: PP2 x EP2 (one decoder layer per stage; the MTP layer on the last);
-* ``etp2``: TP1 x EP2 with expert-tensor parallelism 2 (four ``linear_fc1`` chunks per expert).
+* ``etp2``: TP1 x EP2 with expert-tensor parallelism 2 (four ``linear_fc1`` chunks per expert);
+* ``etp2_pre014``: the same, saved as megatron-core before 0.14 did (``singleton_local_shards``:
+  every layer per key, each expert and each GLU half under its own key).
+
+Saved with Megatron-LM's ``sharded_state_dict`` metadata (``_build_sharded_state_dict_metadata``).
 
 Each checkpoint is what Megatron-LM's ``save_checkpoint`` hands ``dist_checkpointing.save``: the
 model's ``sharded_state_dict()``, the optimizer's (megatron's ``FP32Optimizer`` over torch's Adam
@@ -38,6 +42,7 @@ LAYOUTS = {
     "tp2_ep2_sp": dict(tp=2, pp=1, ep=2, etp=None, sp=True),
     "pp2_ep2": dict(tp=1, pp=2, ep=2, etp=None, sp=False),
     "etp2": dict(tp=1, pp=1, ep=2, etp=2, sp=False),
+    "etp2_pre014": dict(tp=1, pp=1, ep=2, etp=2, sp=False, singleton=True),
 }
 EXPORT_DTYPES = ("float32", "bfloat16")  # the model's own, and the cast transformers makes
 CASES = [(layout, family) for layout in LAYOUTS for family in FAMILIES]
@@ -92,11 +97,14 @@ def _model(family: str, sizes: dict, seed: int):
     return model
 
 
-def _sharded_model(gpt) -> dict:
+def _sharded_model(gpt, sizes: dict) -> dict:
+    """``gpt.sharded_state_dict()`` with the metadata Megatron-LM passes (``singleton_local_shards``
+    True: what ``--dist-ckpt-save-pre-mcore-014`` asked for)."""
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-    # megatron's default metadata (a stage with an MTP layer and no embedding needs dp_cp_group)
-    return gpt.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+    metadata = {"distrib_optim_sharding_type": "dp_reshardable", "chained_optim_avoid_prefix": True,
+                "singleton_local_shards": bool(sizes.get("singleton"))}
+    return gpt.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(metadata))
 
 
 def _save(family: str, sizes: dict, path: str) -> dict:
@@ -104,7 +112,7 @@ def _save(family: str, sizes: dict, path: str) -> dict:
 
     model = _model(family, sizes, seed=0)
     optimizer = _stepped_optimizer(model.gpt)
-    sharded = _sharded_model(model.gpt)
+    sharded = _sharded_model(model.gpt, sizes)
     args = _args(model.gpt, sizes)
     state = {"model": sharded, "optimizer": optimizer.sharded_state_dict(sharded), "rng_state": _rng_state(),
              "args": args, "iteration": 1, "checkpoint_version": 3.0}
@@ -185,7 +193,7 @@ def _export(family: str, sizes: dict, path: str, root: str, layout: str) -> None
 
     model = _model(family, sizes, seed=1)
     # megatron's own load of the model's part (Megatron-LM keeps it under "model")
-    loaded = dist_checkpointing.load({"model": _sharded_model(model.gpt)}, path)
+    loaded = dist_checkpointing.load({"model": _sharded_model(model.gpt, sizes)}, path)
     model.gpt.load_state_dict(loaded["model"])
     model.sync_embedding_copy()
     for dtype in EXPORT_DTYPES:

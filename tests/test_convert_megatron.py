@@ -124,6 +124,10 @@ def test_what_megatron_records_stacked_layers_global_experts_glu_chunks(megatron
     stacked = read_index(checkpoint_dir(megatron_root, "pp2_ep2", "qwen3_moe"))
     owners = {c.file for c in stacked.tensors["decoder.layers.self_attention.linear_qkv.weight"].chunks}
     assert len(owners) == 2  # each pipeline stage wrote its own slice of the layer axis
+    before_014 = read_index(checkpoint_dir(megatron_root, "etp2_pre014", "qwen3_moe"))
+    gate = before_014.tensors["decoder.layers.1.mlp.experts.experts.3.linear_fc1.weight_w"]
+    assert gate.shape == (16, 32) and len(gate.chunks) == 2  # one expert's gate rows, split by expert-TP
+    assert not any(k.startswith("decoder.layers.mlp.") for k in before_014.tensors)  # nothing stacked
 
 
 def _with_tensor(index, key: str, like: str):
@@ -145,7 +149,7 @@ def test_an_unknown_key_is_refused_by_name(megatron_root):
 
 @pytest.mark.parametrize("field,value,message", [
     ("num_hidden_layers", 3, "decoder layers are not the config's"),
-    ("num_experts", 8, "expert axis disagrees with the config"),
+    ("num_experts", 8, "experts disagree with the config"),
     ("vocab_size", 300, "vocab_size does not fit"),
 ])
 def test_a_config_of_another_model_is_refused(field, value, message, megatron_root):

@@ -9,6 +9,10 @@ megatron prepends to the module's own tensor:
 * a global expert axis for routed experts: ``...mlp.experts.experts.linear_fc1.weight`` [E, 2F, H];
 * ``mtp.layers.{i}.*``: multi-token-prediction layer ``i`` (HF's ``model.layers.{num_layers + i}``).
 
+Checkpoints of megatron-core before 0.14 (its ``singleton_local_shards`` metadata) store every layer
+per key, each expert under its own key (``...experts.experts.{e}.linear_fc1.weight_w``) and a GLU
+``linear_fc1`` as its gate (``_w``) and up (``_v``) halves: the same table reads both.
+
 Behind the prepended axes each box is a box of the tensor the model holds in memory, so the table
 names it as the in-memory key (``decoder.layers.{l}.mlp.experts.local_experts.{e}.linear_fc1.weight``,
 with every expert "local" to one rank) and maps it through the megatron-core tables of
@@ -54,7 +58,11 @@ _SKIPPED = (
 _STACKED = re.compile(r"decoder\.layers\.(?P<rest>[a-z_].*)")  # no layer number: a stacked layer axis
 _PER_LAYER = re.compile(r"decoder\.layers\.(?P<layer>\d+)\..+")
 _MTP = re.compile(r"mtp\.layers\.(?P<index>\d+)\.(?P<rest>.+)")
-_EXPERTS = re.compile(r"(?P<moe>.+\.mlp)\.experts\.experts\.(?P<linear>linear_fc[12])\.weight")
+# routed experts: a global expert axis, or (megatron-core before 0.14, ``singleton_local_shards``)
+# one key per global expert, its GLU gate and up apart (``_w`` / ``_v``)
+_EXPERTS = re.compile(r"(?P<moe>.+\.mlp)\.experts\.experts\.(?:(?P<expert>\d+)\.)?"
+                      r"(?P<linear>linear_fc[12])\.weight(?P<part>_w|_v)?")
+_VIEW_EXPERT = re.compile(r"(?P<moe>.+\.mlp)\.experts\.local_experts\.(?P<expert>\d+)\.")
 _OUTPUT = "output_layer.weight"
 _EMBEDDING = "embedding.word_embeddings.weight"
 
@@ -113,10 +121,10 @@ class MegatronTorchDistTable:
                                         local_experts=self._local_experts())
         self._sources = {t: k for k, s in self._stored.items() for t in s.templates}
         for moe, experts in self.adapter.local_experts.items():
-            if len(experts.mine) != self.adapter.num_experts:
-                raise InputError("the checkpoint's expert axis disagrees with the config", key=moe,
-                                 expected=f"{self.adapter.num_experts} routed experts (the config)",
-                                 actual=f"{len(experts.mine)} along the stored expert axis",
+            if experts.mine != tuple(range(self.adapter.num_experts)):
+                raise InputError("the checkpoint's experts disagree with the config", key=moe,
+                                 expected=f"experts 0..{self.adapter.num_experts - 1} (the config's count)",
+                                 actual=f"experts {list(experts.mine)} stored",
                                  hint="a config of another model: pass the model's own --config")
 
     # ---- the CheckpointTable protocol -------------------------------------------------------------
@@ -163,8 +171,10 @@ class MegatronTorchDistTable:
         elif m := _MTP.fullmatch(name):
             name = f"mtp.layers.{self.num_layers + int(m['index'])}.{m['rest']}"
         if m := _EXPERTS.fullmatch(name):
-            axes.append("expert")
-            name = f"{m['moe']}.experts.local_experts.{{expert}}.{m['linear']}.weight"
+            if m["expert"] is None:
+                axes.append("expert")
+            expert = m["expert"] or "{expert}"
+            name = f"{m['moe']}.experts.local_experts.{expert}.{m['linear']}.weight{m['part'] or ''}"
         if len(shape) <= len(axes):
             raise InputError("a checkpoint tensor lacks the axes its key names", key=key,
                              expected=f"the prepended axes {axes} and the module's own dims",
@@ -189,16 +199,13 @@ class MegatronTorchDistTable:
                              hint="a config of another model: pass the model's own --config")
 
     def _local_experts(self) -> dict[str, LocalExperts]:
-        """Every MoE module's experts as one rank's (the checkpoint's expert axis is global)."""
-        out: dict[str, LocalExperts] = {}
-        for key, s in self._stored.items():
-            if "expert" not in s.axes:
-                continue
-            count = s.axis("expert")
+        """Every MoE module's experts as one rank's (the checkpoint numbers them globally)."""
+        found: dict[str, set[int]] = {}
+        for s in self._stored.values():
             for name in s.every_view_key():
-                moe = name.split(".experts.local_experts.")[0]
-                out[moe] = LocalExperts((tuple(range(count)),), 0)
-        return out
+                if m := _VIEW_EXPERT.match(name):
+                    found.setdefault(m["moe"], set()).add(int(m["expert"]))
+        return {moe: LocalExperts((tuple(sorted(ids)),), 0) for moe, ids in found.items()}
 
     def _named_as_stored(self, exc: InputError) -> InputError:
         """An in-memory table's error, naming the checkpoint's key the in-memory key came from."""
