@@ -33,6 +33,7 @@ from nemo_moe_export.convert.engine import convert_checkpoint
 from nemo_moe_export.convert.megatron import FORMAT
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.config_json import CONFIG_FILE
+from nemo_moe_export.parallel import PeerError
 from nemo_moe_export.spawn import spawn
 
 CASE_IDS = [f"{layout}-{family}" for layout, family in CASES]
@@ -297,3 +298,16 @@ def test_transformers_loads_the_conversion(family, converted):
     layers = _config_json(path)["num_hidden_layers"]
     assert all(k.startswith(f"model.layers.{layers}.") for k in info["unexpected_keys"]), info
     assert bool(info["unexpected_keys"]) == (family == "deepseek_v3")
+
+
+@pytest.mark.parametrize("config_of,change,message", [
+    ("deepseek_v3", {}, "no rule maps this in-memory key.*another model family"),  # another family's config
+    ("qwen3_moe", {"hidden_size": 48}, "shape disagrees with the HF config"),
+])
+def test_another_models_config_is_refused_before_any_file_exists(config_of, change, message, megatron_root,
+                                                                   tmp_path):
+    config = AutoConfig.from_pretrained(export_dir(megatron_root, "tp2_ep2_sp", config_of), **change)
+    out = tmp_path / "out"
+    with pytest.raises(PeerError, match=f"InputError: .*{message}"):  # every rank's agreed refusal
+        convert_checkpoint(checkpoint_dir(megatron_root, "tp2_ep2_sp", "qwen3_moe"), out, config=config)
+    assert not out.exists() and os.listdir(tmp_path) == []

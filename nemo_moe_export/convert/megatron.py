@@ -212,7 +212,8 @@ class MegatronTorchDistTable:
         for template, key in self._sources.items():
             if exc.key is not None and _fits(template, exc.key):
                 return InputError(f"{exc.problem} (as the in-memory key '{exc.key}')", key=key,
-                                  expected=exc.expected, actual=exc.actual, hint=exc.hint)
+                                  expected=exc.expected, actual=exc.actual,
+                                  hint=f"{exc.hint}; or the config is of another model family" if exc.hint else None)
         return exc
 
     def _refuse_unknown_other(self, index: Any) -> None:
