@@ -203,3 +203,15 @@ def test_quantize_is_refused_until_supported(saved, tmp_path):
     src = os.path.join(saved, "deepseek_v3", "dcp")
     _refused(src, tmp_path, os.path.join(saved, "deepseek_v3"), "the conversion does not quantize yet",
              quantize="fp8_block")
+
+
+def test_the_command_line_converts_and_refuses_an_existing_output(saved, tmp_path, capsys):
+    from nemo_moe_export.cli import main
+
+    src, config = os.path.join(saved, "deepseek_v3", "dcp"), os.path.join(saved, "deepseek_v3")
+    out = str(tmp_path / "hf")
+    assert main(["convert", src, out, "--config", config, "--dtype", "bfloat16", "--tokenizer", str(tmp_path)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["format"] == "torchtitan" and printed["path"] == out
+    assert main(["convert", src, out, "--config", config]) == 1
+    assert "export target already exists" in capsys.readouterr().err
