@@ -146,20 +146,43 @@ def _dcp_tensors(metadata) -> tuple[dict[str, StoredTensor], frozenset[str]]:
     return tensors, frozenset(other)
 
 
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"  # torch DCP's HF storage writer: each file's boxes' global offsets
+
+
 def _safetensors_tensors(directory: str) -> dict[str, StoredTensor]:
-    """HF-keyed safetensors shards: each tensor one box, its bytes at the header's offsets."""
+    """HF-keyed safetensors shards (AutoModel's, through torch DCP's HF storage writer): each file
+    holds one box of each of its tensors, at the global offsets its header's ``DCP_SHARDING_INFO``
+    records (none: the whole tensor); a tensor's global shape is where its boxes end."""
     from nemo_moe_export.safetensors_format import read_header, torch_dtype
 
-    tensors: dict[str, StoredTensor] = {}
+    boxes: dict[str, list[StoredChunk]] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for name in sorted(n for n in os.listdir(directory) if n.endswith(".safetensors")):
         header = read_header(os.path.join(directory, name))
+        sharding = _sharding_info(header.metadata, name)
         for key in header.keys():
             entry = header.entry(key)
-            shape = tuple(int(s) for s in entry.shape)
-            begin, end = entry.offsets
-            chunk = StoredChunk(key, (0,) * len(shape), shape, name, header.data_start + begin, end - begin, "raw")
-            tensors[key] = StoredTensor(key, shape, torch_dtype(entry.dtype, key=key), (chunk,))
+            sizes = tuple(int(s) for s in entry.shape)
+            offsets = tuple(int(o) for o in sharding.get(key, {}).get("saved_offsets", (0,) * len(sizes)))
+            boxes.setdefault(key, []).append(StoredChunk(key, offsets, sizes, name, header.data_start + entry.start,
+                                                         entry.nbytes, "raw"))
+            dtypes[key] = torch_dtype(entry.dtype, key=key)
+    tensors = {}
+    for key, chunks in boxes.items():
+        shape = tuple(max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes)))
+        tensors[key] = StoredTensor(key, shape, dtypes[key], tuple(chunks))
     return tensors
+
+
+def _sharding_info(metadata: dict | None, name: str) -> dict:
+    text = (metadata or {}).get(DCP_SHARDING_INFO)
+    if text is None:
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InputError("a safetensors file's DCP sharding record cannot be read", key=name,
+                         expected="JSON", actual=text[:80]) from None
 
 
 def detect_format(directory: str, keys: frozenset[str] | set[str]) -> str:
