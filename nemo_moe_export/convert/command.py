@@ -1,4 +1,4 @@
-"""``nemo-moe-export convert SRC OUT --config HF_CONFIG [...]``: the conversion on the command line.
+"""``nemo-moe-export convert SRC OUT [--config HF_CONFIG] [...]``: the conversion on the command line.
 
 Runs on every rank torchrun (or srun, or the NeMo-Run launcher) started, or starts ``--nproc N``
 local ranks itself through torchrun, as the recipe does (docs/convert.md). A refused input is one
@@ -24,7 +24,9 @@ def convert_parser() -> argparse.ArgumentParser:
                                                  "DCP, AutoModel) to an HF checkpoint on N CPU ranks, no model.")
     parser.add_argument("src", help="the checkpoint directory")
     parser.add_argument("out", help="the HF checkpoint directory to write (its parent must exist)")
-    parser.add_argument("--config", required=True, help="the model's HF config: a config.json or its directory")
+    parser.add_argument("--config", default=None,
+                        help="the model's HF config: a config.json or its directory (may be omitted for a "
+                             "Megatron-LM torch_dist checkpoint whose common.pt holds its args)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         help="cast floating weights as transformers does (default: keep the stored dtypes)")
     parser.add_argument("--quantize", choices=QUANTIZE_METHODS, help="not supported by the conversion yet")
