@@ -107,6 +107,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         self.text_config = text
         self.num_experts = self._read_num_experts(text)
         self.local_experts = dict(local_experts or {})  # MoE module -> LocalExperts (megatron-core)
+        self._numbered: set[str] = set()  # MoE modules whose local experts were checked
         self.tie_word_embeddings = bool(_cfg_get(config, "tie_word_embeddings", False))
 
     def _read_num_experts(self, config: Any) -> int:
@@ -284,6 +285,8 @@ class StateDictAdapter(BaseStateDictAdapter):
                 actual=f"known for {sorted(self.local_experts) or 'no module'}",
                 hint="build the adapter from the config of a nemo_moe_export.megatron.MegatronCausalLM",
             )
+        if m.group("moe") in self._numbered:  # checked once per module (a conversion asks per box)
+            return found
         every = sorted(e for ids in found.by_ep_rank for e in ids)
         if every != list(range(self.num_experts)) or len({len(ids) for ids in found.by_ep_rank}) != 1:
             raise InputError(
@@ -291,6 +294,7 @@ class StateDictAdapter(BaseStateDictAdapter):
                 expected=f"equal blocks covering 0..{self.num_experts - 1}",
                 actual=f"local_expert_indices by EP rank {[list(i) for i in found.by_ep_rank]}",
             )
+        self._numbered.add(m.group("moe"))
         return found
 
     def _rule_shape(self, key: str, rule: KeyRule, m: re.Match[str], shape: tuple[int, ...]) -> tuple[int, ...]:
