@@ -24,7 +24,7 @@ import torch
 
 from nemo_moe_export.errors import InputError
 
-__all__ = ["CheckpointIndex", "StoredChunk", "StoredTensor", "detect_format", "read_index"]
+__all__ = ["CheckpointIndex", "StoredChunk", "StoredTensor", "detect_format", "read_dcp_metadata", "read_index"]
 
 METADATA_FILE = ".metadata"  # torch DCP's index of a checkpoint directory
 MEGATRON_METADATA = "metadata.json"  # megatron-core dist_checkpointing's own note of its backend
@@ -102,8 +102,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global '{module}.{name}' is not a DCP metadata record")
 
 
-def _load_metadata(path: str):
-    """The DCP ``Metadata`` record at ``path``; a missing, truncated or foreign file is an InputError."""
+def read_dcp_metadata(path: str):
+    """The DCP ``Metadata`` record at ``path`` (a ``.metadata`` file), through the restricted unpickler;
+    a missing, truncated or foreign file is an InputError."""
     if not os.path.isfile(path):
         raise InputError("the checkpoint has no DCP metadata file", key=path, expected="a torch DCP .metadata file",
                          actual="missing", hint="pass the directory torch.distributed.checkpoint.save wrote")
@@ -222,7 +223,7 @@ def read_index(directory: str | os.PathLike[str]) -> CheckpointIndex:
     if not os.path.exists(os.path.join(directory, METADATA_FILE)) and os.path.isdir(model_dir):
         directory = model_dir
     if os.path.exists(os.path.join(directory, METADATA_FILE)) or not _has_safetensors(directory):
-        tensors, other = _dcp_tensors(_load_metadata(os.path.join(directory, METADATA_FILE)))
+        tensors, other = _dcp_tensors(read_dcp_metadata(os.path.join(directory, METADATA_FILE)))
     else:
         tensors, other = _safetensors_tensors(directory), frozenset()
     return CheckpointIndex(directory, detect_format(directory, set(tensors) | set(other)), tensors, other)
