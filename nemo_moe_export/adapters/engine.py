@@ -107,6 +107,7 @@ class StateDictAdapter(BaseStateDictAdapter):
         self.text_config = text
         self.num_experts = self._read_num_experts(text)
         self.local_experts = dict(local_experts or {})  # MoE module -> LocalExperts (megatron-core)
+        self._numbered: set[str] = set()  # MoE modules whose local experts were checked
         self.tie_word_embeddings = bool(_cfg_get(config, "tie_word_embeddings", False))
 
     def _read_num_experts(self, config: Any) -> int:
@@ -284,6 +285,8 @@ class StateDictAdapter(BaseStateDictAdapter):
                 actual=f"known for {sorted(self.local_experts) or 'no module'}",
                 hint="build the adapter from the config of a nemo_moe_export.megatron.MegatronCausalLM",
             )
+        if m.group("moe") in self._numbered:  # checked once per module (a conversion asks per box)
+            return found
         every = sorted(e for ids in found.by_ep_rank for e in ids)
         if every != list(range(self.num_experts)) or len({len(ids) for ids in found.by_ep_rank}) != 1:
             raise InputError(
@@ -291,6 +294,7 @@ class StateDictAdapter(BaseStateDictAdapter):
                 expected=f"equal blocks covering 0..{self.num_experts - 1}",
                 actual=f"local_expert_indices by EP rank {[list(i) for i in found.by_ep_rank]}",
             )
+        self._numbered.add(m.group("moe"))
         return found
 
     def _rule_shape(self, key: str, rule: KeyRule, m: re.Match[str], shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -358,6 +362,18 @@ class StateDictAdapter(BaseStateDictAdapter):
             return
         groups, sizes = self._split_sizes(key, rule, box.global_shape)
         yield from interleaved_pieces(key, rule, m, box, groups, sizes, merge)
+
+    def box_pieces(self, key: str, box: LocalBox) -> list[HFShard]:
+        """The HF pieces of one box of the in-memory tensor ``key`` (views of ``box.local``, an
+        interleaved split's per-group runs apart): what a checkpoint converter maps a stored box
+        through (docs/design.md#megatron-torch_dist-keys). A tied alias gives none."""
+        if self._skipped(key):
+            return []
+        (_, _, rule, m), = self._entries({key: box.local})
+        if rule is None:
+            return [HFShard(key, box.global_shape, box.offsets, box.local, box.primary, key,
+                            replica=box.replica, replicas=box.replicas)]
+        return list(self._pieces_of(key, rule, m, box, merge=False))
 
     # ---- to_hf / from_hf ------------------------------------------------------------------------
 

@@ -22,8 +22,9 @@ shares ride on it; docs/design.md#coordination-protocol):
 6. ``publish``   rank 0 renames the directory into place atomically (and, with
                  ``overwrite="replace"``, swaps the old one out) and fsyncs the parent.
 
-On any failure rank 0 removes the temporary directory; the target is never touched until step 6
-(docs/design.md#export-plan-and-invariants). The parts: ``options.py`` (what to write),
+Steps 2-6 live in ``steps.py``, shared with the checkpoint conversion; this module is
+``validate`` and the entry points. On any failure rank 0 removes the temporary directory; the
+target is never touched until step 6 (docs/design.md#export-plan-and-invariants). The parts: ``options.py`` (what to write),
 ``casting.py`` (what stays float32, as transformers keeps it), ``plan.py`` (where every byte goes,
 who writes which share, who owns each file, coverage), ``replicas.py`` (replica agreement),
 ``storage.py`` (the shared- or local-filesystem writer), ``target.py`` (the directories and the
@@ -32,11 +33,9 @@ publish), ``verify.py``.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,10 +57,10 @@ from nemo_moe_export.export.stages import (Catalogue, catalogue_of, check_declar
                                            tied_pairs)
 from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, check_writer_ranks, writer_for
 from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export_id, write_metadata_files
-from nemo_moe_export.export.verify import verify_checkpoint
-from nemo_moe_export.export.writer import WriteStats, write_headers
+from nemo_moe_export.export.steps import Steps, cyclic_gc_paused, run_after_validate
+from nemo_moe_export.export.writer import WriteStats
 from nemo_moe_export.hooks import Hook, RecipeContext
-from nemo_moe_export.parallel import Coordinator, PeerError, RankGroup
+from nemo_moe_export.parallel import Coordinator, RankGroup
 
 __all__ = ["ExportResult", "ExportStep", "cyclic_gc_paused", "export_catalogue", "export_hf_checkpoint",
            "export_plan_of", "plan_of", "rank_write_shares", "replicated_tensors"]
@@ -131,50 +130,11 @@ class _Job:
         me = self.coordinator.global_rank(self.coordinator.rank)
         return [name for name, owner in self.owners.items() if owner == me]
 
-
-@dataclass
-class _Shared:
-    """Words a step's body shares with every rank on its closing agreement (``_Steps.agreed``)."""
-
-    sums: torch.Tensor | None = None  # this rank's int64 words
-    totals: torch.Tensor | None = None  # their sum over the ranks, once agreed
-
-
-class _Steps:
-    """Runs the steps on this rank: each body is closed by an agreement of every rank, and timed."""
-
-    def __init__(self, coordinator: Coordinator) -> None:
-        self.coordinator = coordinator
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    @contextmanager
-    def agreed(self, name: str, words: int = 0) -> Iterator["_Shared"]:
-        """Run the body, then agree with every rank on how it went: an exception here, or on any
-        peer, becomes the same PeerError on every rank. ``words`` int64 words the body puts in
-        ``shared.sums`` ride on the agreement (a rank that failed sends as many zeros: every rank
-        must send the same size); their sum over the ranks is ``shared.totals`` afterwards."""
-        error, shared = None, _Shared(torch.zeros(words, dtype=torch.int64) if words else None)
-        try:
-            yield shared
-            if words and shared.sums.shape != (words,):
-                raise AssertionError(f"step '{name}' shares {tuple(shared.sums.shape)} words, not ({words},)")
-        except BaseException as exc:  # reported to every rank by agree
-            error = exc
-        shared.totals = self.coordinator.agree(name, error, sums=shared.sums)
-
-    @contextmanager
-    def timed(self, name: str) -> Iterator[None]:
-        """Record the step's wall time (since the previous step ended) once its body succeeded."""
-        yield
-        now = time.perf_counter()
-        self.seconds[name] = round(now - self._last, 4)
-        self._last = now
-
-    @contextmanager
-    def step(self, name: str) -> Iterator[None]:
-        with self.timed(name), self.agreed(name):
-            yield
+    def write_small_files(self, directory: str) -> None:
+        """Rank 0's files beside the tensors: index, config.json, generation config, tokenizer."""
+        inputs = self.inputs
+        write_metadata_files(directory, self.plan, inputs.config, self.options.torch_dtype,
+                             inputs.generation_config, inputs.tokenizer, quantization_config(self.options))
 
 
 def export_hf_checkpoint(
@@ -210,41 +170,13 @@ def export_hf_checkpoint(
     """
     started = time.perf_counter()
     options, refused = _options_or_refusal(options, overrides)
-    steps = _Steps(Coordinator(group, timeout_s=options.timeout_s, name="export"))
+    steps = Steps(Coordinator(group, timeout_s=options.timeout_s, name="export"))
     given = dict(model=model, state_dict=state_dict, config=config, adapter=adapter, tokenizer=tokenizer,
                  generation_config=generation_config, extra=extra, pp_group=pp_group)
     with cyclic_gc_paused():
         job = _validate(steps, output_dir, options, refused, given)
-        try:
-            _prepare(steps, job)
-            _write_headers(steps, job)
-            stats = _write(steps, job)
-            _verify_from_bytes(steps, job)
-            _publish(steps, job)
-        except BaseException as exc:
-            if job.on_rank0 or _rank0_lost(exc):  # rank 0 cleans up; if it died, its survivors do
-                job.target.discard()
-            raise
+        stats = run_after_validate(steps, job, lambda: _write(job))
     return _result(job, stats, steps.seconds, started)
-
-
-@contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
-    """Python's cycle collector off for the export. The export makes hundreds of thousands of
-    short-lived objects (plan entries, shares, header dicts), freed by reference counting, inside a
-    training process that tracks many more; each full collection they trigger walks all of them
-    (0.2-0.27 s on a CPU rank with a 61-expert model, about one per export). Restored after."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def _rank0_lost(exc: BaseException) -> bool:
-    return isinstance(exc, PeerError) and 0 in exc.ranks
 
 
 def _options_or_refusal(options: Any, overrides: dict[str, Any]) -> tuple[ExportOptions, Exception | None]:
@@ -257,7 +189,7 @@ def _options_or_refusal(options: Any, overrides: dict[str, Any]) -> tuple[Export
         return ExportOptions(), exc
 
 
-def _validate(steps: _Steps, output_dir: Any, options: ExportOptions, refused: Exception | None,
+def _validate(steps: Steps, output_dir: Any, options: ExportOptions, refused: Exception | None,
               given: dict[str, Any]) -> _Job:
     """Step 1: the rank-local checks and the plan, agreed by every rank; then the checks across ranks."""
     coordinator = steps.coordinator
@@ -343,7 +275,7 @@ def _lay_out(staged: _Staged, catalogue: Catalogue, options: ExportOptions, coor
                       replica_sets(replicated, coordinator), replicated)
 
 
-def _lay_out_stages(steps: _Steps, staged: _Staged, options: ExportOptions) -> tuple["_LocalPlan", torch.Tensor]:
+def _lay_out_stages(steps: Steps, staged: _Staged, options: ExportOptions) -> tuple["_LocalPlan", torch.Tensor]:
     """Validate across pipeline stages (docs/design.md#pipeline-stages): the stage peers' plain
     tensors as replicas and the catalogue merged over the pipeline group (collectives every rank
     reaches first), then the checks and the plan, under one more agreement."""
@@ -373,7 +305,7 @@ class _LocalPlan:
     replicated: dict[str, torch.Tensor]  # the tensors the replica check compares, by name
 
 
-def _agree_replicas(steps: _Steps, local: _LocalPlan, options: ExportOptions
+def _agree_replicas(steps: Steps, local: _LocalPlan, options: ExportOptions
                     ) -> tuple[_Inputs, list[HFShard], ReplicaReport]:
     """Compare every replicated tensor across its replicas (docs/design.md#replica-agreement); with
     a reconciling policy, rebuild the inputs and shares from the reconciled copies."""
@@ -505,62 +437,26 @@ def _check_replica_source(options: ExportOptions, coordinator: Coordinator) -> N
                          expected=f"rank:N with N in {members}", actual=repr(options.replica_mismatch))
 
 
-def _prepare(steps: _Steps, job: _Job) -> None:
-    """Step 2: rank 0 creates a fresh partial directory beside the target."""
-    with steps.step("prepare"):
-        if job.on_rank0:
-            job.target.prepare()
-
-
-def _write_headers(steps: _Steps, job: _Job) -> None:
-    """Step 3: each owner creates its files with their headers; rank 0 adds the small files."""
-    with steps.step("headers"):
-        write_headers(job.plan, job.target.partial, job.my_files())
-        if job.on_rank0:
-            inputs = job.inputs
-            write_metadata_files(job.target.partial, job.plan, inputs.config, job.options.torch_dtype,
-                                 inputs.generation_config, inputs.tokenizer, quantization_config(job.options))
-
-
-def _write(steps: _Steps, job: _Job) -> WriteStats:
+def _write(job: _Job) -> WriteStats:
     """Step 4: the storage writer puts this rank's pieces in place (and fsyncs). On a shared
     filesystem, row-parallel TP shares are first exchanged between the TP peers and written as
     whole rows (``row_exchange.py``; docs/design.md#tensor-and-context-parallelism-torch-tp)."""
-    with steps.step("write"):
-        regular, rows = job.pieces, []
-        if type(job.writer) is SharedFilesystemWriter:  # not the local-filesystem or FP8 writers
-            regular, rows = row_parallel_shares(job.pieces, job.inputs.state_dict)
-        if not rows:
-            return job.writer.write(job.plan, job.pieces, job.target.partial)
-        writer = job.writer.batch_writer(job.plan, job.target.partial,
-                                         pinned=any(p.tensor.is_cuda for p in job.pieces))
-        try:
-            exchanged = write_exchanged_rows(writer, rows, job.coordinator.timeout)
-            writer.write(regular)
-        except BaseException:
-            writer.abandon()
-            raise
-        stats = writer.close()
-        stats.exchanged_bytes = exchanged
+    regular, rows = job.pieces, []
+    if type(job.writer) is SharedFilesystemWriter:  # not the local-filesystem or FP8 writers
+        regular, rows = row_parallel_shares(job.pieces, job.inputs.state_dict)
+    if not rows:
+        return job.writer.write(job.plan, job.pieces, job.target.partial)
+    writer = job.writer.batch_writer(job.plan, job.target.partial,
+                                     pinned=any(p.tensor.is_cuda for p in job.pieces))
+    try:
+        exchanged = write_exchanged_rows(writer, rows, job.coordinator.timeout)
+        writer.write(regular)
+    except BaseException:
+        writer.abandon()
+        raise
+    stats = writer.close()
+    stats.exchanged_bytes = exchanged
     return stats
-
-
-def _verify_from_bytes(steps: _Steps, job: _Job) -> None:
-    """Step 5: rank 0 checks the checkpoint from its bytes, then makes the directory durable."""
-    with steps.step("verify"):
-        if job.on_rank0:
-            if job.options.verify:
-                report = verify_checkpoint(job.target.partial)
-                if not report.ok:
-                    raise RuntimeError("the written checkpoint failed verification:\n" + report.summary())
-            job.target.seal()
-
-
-def _publish(steps: _Steps, job: _Job) -> None:
-    """Step 6: rank 0 renames the checkpoint into place."""
-    with steps.step("publish"):
-        if job.on_rank0:
-            job.target.publish(job.options.overwrite)
 
 
 def _result(job: _Job, stats: WriteStats, step_seconds: dict[str, float], started: float) -> ExportResult:

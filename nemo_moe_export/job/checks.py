@@ -23,9 +23,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from nemo_moe_export.config import BACKENDS, STAGES, model_dtype, validate_config
+from nemo_moe_export.convert.index import read_dcp_metadata
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
 from nemo_moe_export.evaluate.task import load_questions, load_task
@@ -328,12 +327,14 @@ def _not_a_training_checkpoint(path: str) -> str | None:
 
 
 def _stored_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The stored tensors' shapes, from the checkpoint's ``.metadata`` read through the conversion's
+    restricted unpickler (only DCP's own records: a file a user hands us names no other global)."""
     try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # a truncated or foreign .metadata file
+        metadata = read_dcp_metadata(os.path.join(path, CHECKPOINT_METADATA))
+    except InputError as exc:  # a truncated or foreign .metadata file
         raise InputError("unreadable training checkpoint metadata", key="export.from_checkpoint",
                          expected="a torch.distributed.checkpoint .metadata file",
-                         actual=f"{os.path.join(path, CHECKPOINT_METADATA)}: {type(exc).__name__}: {exc}",
+                         actual=f"{os.path.join(path, CHECKPOINT_METADATA)}: {exc.actual}",
                          ) from exc
     return {k: tuple(m.size) for k, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
 

@@ -1,0 +1,92 @@
+"""``nemo-moe-export convert SRC OUT [--config HF_CONFIG] [...]``: the conversion on the command line.
+
+Runs on every rank torchrun (or srun, or the NeMo-Run launcher) started, or starts ``--nproc N``
+local ranks itself through torchrun, as the recipe does (docs/convert.md). A refused input is one
+line on stderr and exit status 1, from rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from nemo_moe_export.errors import InputError
+from nemo_moe_export.export.options import OVERWRITE_POLICIES, QUANTIZE_METHODS
+
+__all__ = ["convert_main", "convert_parser"]
+
+
+def convert_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nemo-moe-export convert",
+                                     description="Convert a training checkpoint (megatron-core torch_dist, torchtitan "
+                                                 "DCP, AutoModel) to an HF checkpoint on N CPU ranks, no model.")
+    parser.add_argument("src", help="the checkpoint directory")
+    parser.add_argument("out", help="the HF checkpoint directory to write (its parent must exist)")
+    parser.add_argument("--config", default=None,
+                        help="the model's HF config: a config.json or its directory (may be omitted for a "
+                             "Megatron-LM torch_dist checkpoint whose common.pt holds its args)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
+                        help="cast floating weights as transformers does (default: keep the stored dtypes)")
+    parser.add_argument("--quantize", choices=QUANTIZE_METHODS, help="not supported by the conversion yet")
+    parser.add_argument("--tokenizer", help="a directory whose tokenizer files are copied beside the weights")
+    parser.add_argument("--overwrite", choices=OVERWRITE_POLICIES, default="error",
+                        help="an existing OUT: refuse it (error) or replace it atomically once written")
+    parser.add_argument("--max-shard-size", default=None, help="per output file, as transformers' (default 5GB)")
+    parser.add_argument("--nproc", type=int, default=None, help="start N local ranks (torchrun); under torchrun, omit")
+    parser.add_argument("--progress-s", type=float, default=None,
+                        help="seconds between two progress lines of a rank (default 10)")
+    return parser
+
+
+def _options(args: argparse.Namespace) -> dict:
+    options = dict(config=args.config, dtype=args.dtype, quantize=args.quantize, tokenizer=args.tokenizer,
+                   overwrite=args.overwrite)
+    if args.max_shard_size is not None:
+        options["max_shard_size"] = args.max_shard_size
+    if args.progress_s is not None:
+        options["progress_s"] = args.progress_s
+    return options
+
+
+def convert_main(argv: list[str]) -> int:
+    args = convert_parser().parse_args(argv)
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        if args.nproc < 1:
+            raise InputError("--nproc must be at least 1", key="--nproc", expected=">= 1", actual=args.nproc)
+        from nemo_moe_export.job.torchrun import run_torchrun
+
+        rest = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
+                and (i == 0 or argv[i - 1] != "--nproc")]
+        return run_torchrun(args.nproc, ["convert", *rest])
+    return _convert_here(args)
+
+
+def _convert_here(args: argparse.Namespace) -> int:
+    """Convert on this rank (one of torchrun's, or alone); the exit status."""
+    import torch.distributed as dist
+
+    from nemo_moe_export.convert.engine import convert_checkpoint
+    from nemo_moe_export.parallel import PeerError, init_distributed
+
+    init_distributed("cpu", timeout_s=600.0)
+    rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        result = convert_checkpoint(args.src, args.out, **_options(args))
+    except PeerError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, InputError) or "InputError" in str(exc):
+            if rank0:
+                print(f"nemo-moe-export: error: {cause if isinstance(cause, InputError) else exc}", file=sys.stderr,
+                      flush=True)
+            return 1
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank0:
+        print(json.dumps(dict(path=result.path, format=result.format, files=result.files, tensors=result.tensors,
+                              source_bytes=result.source_bytes, checkpoint_bytes=result.checkpoint_bytes,
+                              seconds=result.seconds, rank0_bytes_read=result.rank_bytes_read)))
+    return 0

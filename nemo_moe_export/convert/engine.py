@@ -1,0 +1,268 @@
+"""``convert_checkpoint``: a stored training checkpoint -> an HF checkpoint, on every rank, no model.
+
+Called on every rank of ``group`` (docs/design.md#checkpoint-conversion):
+
+1. ``validate``  every rank reads the index from the checkpoint's own metadata (no communication),
+                 picks the format's key table, maps every stored tensor to HF keys (unknown keys
+                 refused, optimizer / train state skipped by rule), checks them against the HF
+                 config's model, checks the data files, lays out the export's plan and its own
+                 share of the reading (``assign.py``); the ranks agree on one plan and rank 0's
+                 job id. Then each rank maps its boxes (as meta tensors, nothing read) to pieces
+                 and the ranks agree that every HF element has exactly one writer.
+2-6.             the export's own steps (``export/steps.py``): prepare, headers, write, verify,
+                 publish, with its fault handling and overwrite policy. ``write`` streams: a rank
+                 reads a run of its boxes (``reader.py``), maps each to its HF pieces and hands
+                 them to the export's writer, which writes them in place (cast through its staging
+                 buffers) before the next run is read: memory is bounded by the read and staging
+                 buffers, not by the model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nemo_moe_export.collectives import FINGERPRINT_WORDS, fingerprint_words
+from nemo_moe_export.convert.assign import assign_work, model_chunks
+from nemo_moe_export.convert.checks import check_shapes, hf_config_of
+from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk, read_index
+from nemo_moe_export.convert.reader import ReadStats, check_files, read_chunks
+from nemo_moe_export.convert.tables import CheckpointTable, recorded_config, table_for
+from nemo_moe_export.errors import InputError
+from nemo_moe_export.export.casting import float32_keys, fp32_patterns
+from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export
+from nemo_moe_export.export.steps import Steps, cyclic_gc_paused, run_after_validate
+from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, writer_for
+from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export_id, write_metadata_files
+from nemo_moe_export.export.writer import WriteStats
+from nemo_moe_export.parallel import Coordinator
+
+__all__ = ["ConvertResult", "TOKENIZER_FILES", "convert_checkpoint"]
+
+# The tokenizer files copied from a tokenizer directory (those transformers' tokenizers write).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+PROGRESS_S = 10.0  # the least seconds between two progress lines of a rank
+
+
+@dataclass
+class ConvertResult:
+    path: str
+    format: str
+    files: int
+    tensors: int
+    checkpoint_bytes: int  # the HF checkpoint's tensor bytes
+    source_bytes: int  # the stored model bytes every rank together reads
+    rank_bytes_read: int
+    rank_bytes_written: int
+    seconds: float
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    io: dict[str, float] = field(default_factory=dict)
+    reads: int = 0
+    items: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _ConvertJob:
+    """A validated conversion: what the export's steps after validate read (``steps.StepJob``)."""
+
+    coordinator: Coordinator
+    options: ExportOptions
+    target: ExportTarget
+    plan: ExportPlan
+    index: CheckpointIndex
+    table: CheckpointTable
+    config: Any
+    tokenizer: Any
+    work: list[StoredChunk]  # this rank's boxes, in read order
+    writer: StorageWriter
+    owners: dict[str, int]
+
+    @property
+    def on_rank0(self) -> bool:
+        return self.coordinator.rank == 0
+
+    def my_files(self) -> list[str]:
+        me = self.coordinator.global_rank(self.coordinator.rank)
+        return [name for name, owner in self.owners.items() if owner == me]
+
+    def write_small_files(self, directory: str) -> None:
+        tokenizer = None if _is_path(self.tokenizer) else self.tokenizer
+        write_metadata_files(directory, self.plan, self.config, self.options.torch_dtype, tokenizer=tokenizer)
+        if _is_path(self.tokenizer):
+            _copy_tokenizer(os.fspath(self.tokenizer), directory)
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike))
+
+
+def _copy_tokenizer(source: str, directory: str) -> None:
+    for name in TOKENIZER_FILES:
+        path = os.path.join(source, name)
+        if os.path.isfile(path) and not (name == "generation_config.json" and os.path.exists(os.path.join(directory, name))):
+            shutil.copyfile(path, os.path.join(directory, name))
+
+
+def convert_checkpoint(src: str | os.PathLike[str], out: str | os.PathLike[str], *, config: Any = None,
+                       dtype: str | None = None, quantize: str | None = None, tokenizer: Any = None,
+                       group: Any = None, progress_s: float | None = PROGRESS_S, **overrides: Any) -> ConvertResult:
+    """Convert the checkpoint at ``src`` (megatron-core ``torch_dist``, torchtitan DCP or AutoModel's)
+    to an HF checkpoint at ``out``; call on every rank of ``group`` (any number of ranks).
+
+    ``config`` is the model's HF config (a ``PretrainedConfig``, a ``config.json`` or its directory;
+    None: the one the checkpoint records, megatron's ``common.pt`` ``args``, else refused);
+    ``dtype`` casts as the export does (what transformers keeps in float32 stays float32);
+    ``tokenizer`` (a directory or a tokenizer) is written beside; ``overrides`` are
+    :class:`~nemo_moe_export.export.options.ExportOptions` fields (``overwrite``, ``max_shard_size``,
+    ``staging_bytes``, ``timeout_s``, ...). Nothing is written until every rank has validated. Each
+rank prints a progress line (bytes read / its total, rate) every ``progress_s`` seconds (None: none).
+    """
+    started = time.perf_counter()
+    try:
+        options, refused = ExportOptions.of(None, dtype=dtype, quantize=quantize, **overrides), None
+    except (TypeError, ValueError) as exc:
+        options, refused = ExportOptions(), exc
+    steps = Steps(Coordinator(group, timeout_s=options.timeout_s, name="convert"))
+    with cyclic_gc_paused():
+        job = _validate(steps, src, out, options, refused, config, tokenizer)
+        stats, reads = WriteStats(), ReadStats()
+
+        def write() -> WriteStats:
+            nonlocal stats
+            stats = _stream(job, reads, progress_s)
+            return stats
+
+        run_after_validate(steps, job, write)
+    return ConvertResult(
+        path=job.target.path, format=job.index.format, files=len(job.plan.files), tensors=len(job.plan.tensors),
+        checkpoint_bytes=job.plan.total_tensor_bytes, source_bytes=sum(c.length for c in model_chunks(
+            job.index, job.table.skipped)), rank_bytes_read=reads.bytes_read, rank_bytes_written=stats.bytes_written,
+        seconds=round(time.perf_counter() - started, 4), step_seconds=steps.seconds,
+        io={**stats.as_io(), "read_seconds": round(reads.seconds, 4)}, reads=reads.reads, items=reads.items,
+        notes=list(job.target.notes))
+
+
+PLAN_WORDS = FINGERPRINT_WORDS + 1  # the plan's fingerprint words and rank 0's job id
+
+
+def _plan_words(plan: ExportPlan, rank: int) -> torch.Tensor:
+    job_id = torch.tensor([new_export_id() if rank == 0 else 0], dtype=torch.int64)
+    return torch.cat([fingerprint_words(plan.digest()), job_id])
+
+
+def _refuse_unsupported(options: ExportOptions) -> None:
+    if options.quantize is not None:
+        raise InputError("the conversion does not quantize yet", key="quantize", expected="None",
+                         actual=options.quantize,
+                         hint="convert to bf16, then quantize with the export (docs/convert.md#what-it-does-not-do-yet)")
+    if options.filesystem != "shared":
+        raise InputError("the conversion writes to a filesystem every rank sees", key="filesystem",
+                         expected="shared", actual=options.filesystem)
+
+
+def _validate(steps: Steps, src: Any, out: Any, options: ExportOptions, refused: Exception | None,
+              config: Any, tokenizer: Any) -> _ConvertJob:
+    """Step 1 (module docstring): rank-local checks and plan, agreed; then coverage, agreed."""
+    coordinator = steps.coordinator
+    with steps.timed("validate"):
+        with steps.agreed("validate", PLAN_WORDS) as shared:
+            if refused is not None:
+                raise refused
+            _refuse_unsupported(options)
+            local = _lay_out(src, out, options, config, tokenizer, coordinator)
+            shared.sums = _plan_words(local["plan"], coordinator.rank)
+        plan = local["plan"]
+        coordinator.require_same("conversion plans", plan.digest(), key="plan", summed=shared.totals[:-1],
+                                 hint="every rank must convert the same checkpoint with the same config and options")
+        export_id = export_id_of(int(shared.totals[-1]))
+        with steps.agreed("validate coverage", len(plan.tensors)) as shared:
+            shared.sums = element_counts(plan, _meta_pieces(local["table"], local["work"], local["index"]))
+        check_coverage(plan, shared.totals)
+        writer = writer_for(options, coordinator)
+        plan = plan.stamped(export_id)
+    return _ConvertJob(coordinator, options, local["target"].for_job(export_id), plan, local["index"], local["table"],
+                       local["config"], tokenizer, local["work"], writer, writer.file_owners(plan))
+
+
+def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer: Any,
+             coordinator: Coordinator) -> dict[str, Any]:
+    """What each rank works out alone: the index, table, checks, plan and its share of the reading."""
+    target = ExportTarget.at(out)
+    target.check(options.overwrite)
+    index = read_index(src)
+    hf_config = hf_config_of(config if config is not None else recorded_config(index))
+    if _is_path(tokenizer) and not os.path.isdir(tokenizer):
+        raise InputError("the tokenizer directory does not exist", key="tokenizer", expected="a directory",
+                         actual=os.fspath(tokenizer))
+    table = table_for(index, hf_config)
+    metadata = table.hf_metadata(index)
+    check_shapes(metadata, hf_config)
+    chunks = model_chunks(index, table.skipped)
+    check_files(index, chunks)
+    float32 = float32_keys(fp32_patterns(options.torch_dtype, hf_config), {k: k for k in metadata})
+    plan = plan_export(metadata, dtype=options.torch_dtype, keep_dtype=options.keep_dtype,
+                       max_shard_size=options.max_shard_bytes, keep_float32=float32)
+    work = assign_work(chunks, max(coordinator.world_size, 1))[coordinator.rank]
+    return dict(target=target, config=hf_config, index=index, table=table, plan=plan, work=work)
+
+
+def _meta_pieces(table: CheckpointTable, work: list[StoredChunk], index: CheckpointIndex) -> Iterator[Any]:
+    """The pieces this rank's boxes give, from meta tensors (nothing read): for the coverage check."""
+    for chunk in work:
+        box = torch.empty(chunk.sizes, dtype=index.tensors[chunk.key].dtype, device="meta")
+        yield from table.pieces(chunk.key, chunk.offsets, box)
+
+
+def _stream(job: _ConvertJob, reads: ReadStats, progress_s: float | None) -> WriteStats:
+    """Step 4 (module docstring): read this rank's boxes run by run, write their pieces in place."""
+    if not isinstance(job.writer, SharedFilesystemWriter):
+        raise AssertionError("the conversion writes through the shared-filesystem writer")
+    writer = job.writer.batch_writer(job.plan, job.target.partial, pinned=False)
+    line = _ProgressLine(job.coordinator.rank, sum(c.length for c in job.work), progress_s)
+    try:
+        for chunk, tensor in read_chunks(job.index, job.work, reads):
+            writer.write(job.table.pieces(chunk.key, chunk.offsets, tensor))
+            line.update(chunk.length)
+    except BaseException:
+        writer.abandon()
+        raise
+    stats = writer.close()
+    line.close()
+    return stats
+
+
+class _ProgressLine:
+    """A line per rank on stderr every ``interval_s`` seconds: bytes read / its total and the rate,
+    and a last one at the end once any was printed (a short conversion prints none)."""
+
+    def __init__(self, rank: int, total: int, interval_s: float | None) -> None:
+        self.rank, self.total, self.interval_s = rank, total, interval_s
+        self.done, self.printed = 0, False
+        self.started = self.last = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.interval_s is not None and now - self.last >= self.interval_s:
+            self._print(now)
+
+    def _print(self, now: float) -> None:
+        rate = self.done / 2**20 / max(now - self.started, 1e-9)
+        print(f"convert rank {self.rank}: {self.done / 2**20:.1f}/{self.total / 2**20:.1f} MiB read "
+              f"({rate:.1f} MiB/s)", file=sys.stderr, flush=True)
+        self.printed, self.last = True, now
+
+    def close(self) -> None:
+        if self.printed:
+            self._print(time.perf_counter())
