@@ -1,15 +1,26 @@
-"""Conversion benchmark: a stored checkpoint -> HF on N CPU ranks, against loading the whole state dict.
+"""Convert a torchtitan DCP checkpoint to HF: ours on N ranks against the routes a user would pick.
 
-Saves a DeepSeek-V3-style model's HF-keyed state dict with torch DCP (the layout of AutoModel's
-``model_save_format: torch_save``), then converts it with ``convert_checkpoint`` on each of
-``--ranks`` (docs/convert.md) and, side by side, with the route that loads the whole state dict
-into one process and writes it (what DCP's consolidation and a model-loading converter do). Per
-run: wall seconds, bytes read and written, peak RSS of the largest rank. Each conversion is
-checked equal, tensor for tensor, to this repo's in-job export of the same model. Prints JSON lines,
-then one summary line:
+    python benchmarks/convert_bench.py --size-gb 1 --ranks 1,2,4 --work /tmp/convert_bench [--out R.json]
 
-    python benchmarks/convert_bench.py --ranks 1,2
-    python benchmarks/convert_bench.py --ranks 1,2,4 --experts 64 --hidden 1024 --layers 8   # ~1 GB
+One run, one checkpoint, side by side (docs/convert.md#benchmark):
+
+* ``ours``           ``convert_checkpoint`` on N ranks (no model; positioned reads, each byte once);
+* ``titan_whole``    torchtitan's ``convert_to_hf.py`` route rebuilt from the wheel: the model built
+                     in one process (float32), ``dcp.load`` of the whole state dict, the adapter's
+                     ``to_hf``, cast, DCP's ``HuggingFaceStorageWriter`` with consolidation (sharded
+                     files, then consolidated ones: every byte written twice);
+* ``titan_per_key``  torchtitan's ``convert_to_hf_incremental.py`` route: one ``dcp.load`` per key
+                     (a planning pass and a read each), tensors held until an output file is whole,
+                     the file layout taken from an existing HF index (ours, for the same files);
+* ``disk``           the disk's own cost for the same bytes: the model's stored bytes read
+                     sequentially, the HF checkpoint's bytes written and fsynced.
+
+The checkpoint is written by torchtitan's own model (Qwen3 MoE, float32 as torchtitan trains) under
+``fully_shard`` on 4 gloo ranks, ``dcp.save`` of its state dict (no optimizer: the routes above read
+only the model's keys). Before each run the source's pages are dropped from the page cache
+(``posix_fadvise(DONTNEED)`` after ``sync``), so every route reads from the disk. Per route: seconds
+(wall time of the route's processes), bytes read and written (``/proc/<pid>/io`` ``rchar`` /
+``wchar``, every rank summed), peak RSS per rank (``VmHWM``). Needs torchtitan 0.3.0 importable.
 """
 
 from __future__ import annotations
@@ -17,112 +28,327 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from output import emit  # noqa: E402
+
+SAVE_WORLD = 4
+VOCAB, DIM, EXPERTS, MOE_HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 32000, 1024, 32, 512, 16, 4, 64
 
 
-def _peak_rss_mib() -> float:
-    import resource
+def _layers_for(size_gb: float) -> int:
+    """Decoder layers so the float32 model has about ``size_gb`` GB."""
+    per_layer = EXPERTS * 3 * DIM * MOE_HIDDEN + DIM * HEAD_DIM * (2 * HEADS + 2 * KV_HEADS) + EXPERTS * DIM
+    return max(1, round((size_gb * 1e9 / 4 - 2 * VOCAB * DIM) / per_layer))
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+def _model_config(layers: int):
+    from torchtitan.models import qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    return qwen3.Qwen3Model.Config(
+        vocab_size=VOCAB, dim=DIM, norm=qwen3._qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+        layers=qwen3._build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=layers, dim=DIM, n_heads=HEADS, n_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+            moe_hidden_dim=MOE_HIDDEN, num_experts=EXPERTS, top_k=2, attn_backend="flex",
+            moe_comm_backend="standard", rope=CosSinRoPE.Config(dim=HEAD_DIM, max_seq_len=64, theta=1e6)))
 
 
-def _convert(rank: int, world: int, src: str, out: str, config: str) -> dict:
+def _hf_config(layers: int):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM,
+                          moe_intermediate_size=MOE_HIDDEN, num_hidden_layers=layers, num_attention_heads=HEADS,
+                          num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=EXPERTS,
+                          num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+                          max_position_embeddings=64, rope_theta=1e6)
+
+
+# ---- per-process measurement -------------------------------------------------------------------
+
+def _io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f)}
+
+
+def _peak_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _measured(body) -> dict:
+    """Run ``body()`` in this process; its seconds, bytes read / written and peak RSS."""
+    before, started = _io(), time.perf_counter()
+    body()
+    after = _io()
+    return dict(seconds=time.perf_counter() - started, read=after["rchar"] - before["rchar"],
+                written=after["wchar"] - before["wchar"], peak_rss_mib=round(_peak_mib(), 1))
+
+
+def _ranks(world: int, target, *args) -> list[dict]:
+    """``target(rank, world, *args) -> dict`` on ``world`` forked gloo ranks; their results."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "results")
+        os.makedirs(results)
+        mp.start_processes(_rank_main, args=(world, os.path.join(tmp, "store"), results, target, args),
+                           nprocs=world, start_method="fork")
+        return [json.load(open(os.path.join(results, f"{r}.json"))) for r in range(world)]
+
+
+def _rank_main(rank: int, world: int, store: str, results: str, target, args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = target(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(results, f"{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+# ---- the checkpoint ----------------------------------------------------------------------------
+
+def _save_rank(rank: int, world: int, directory: str, layers: int) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = _model_config(layers).build()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+    dcp.save(model.state_dict(), checkpoint_id=directory)
+    return {}
+
+
+def make_checkpoint(work: str, size_gb: float) -> tuple[str, str, int]:
+    """The torchtitan checkpoint of about ``size_gb`` GB (cached in ``work``) and its HF config."""
+    layers = _layers_for(size_gb)
+    root = os.path.join(work, f"titan_{size_gb:g}gb")
+    src, config = os.path.join(root, "dcp"), os.path.join(root, "hf_config")
+    if not os.path.exists(os.path.join(src, ".metadata")):
+        shutil.rmtree(root, ignore_errors=True)
+        _ranks(SAVE_WORLD, _save_rank, src, layers)
+        _hf_config(layers).save_pretrained(config)
+    return src, config, layers
+
+
+# ---- the routes --------------------------------------------------------------------------------
+
+def _ours_rank(rank: int, world: int, src: str, out: str, config: str) -> dict:
     from nemo_moe_export.convert.engine import convert_checkpoint
 
-    result = convert_checkpoint(src, out, config=config, dtype="bfloat16", progress_s=None)
-    return {"read": result.rank_bytes_read, "written": result.rank_bytes_written, "rss_mib": _peak_rss_mib()}
+    result = {}
+
+    def run() -> None:
+        result["convert"] = convert_checkpoint(src, out, config=config, dtype="bfloat16", progress_s=None).__dict__
+
+    measured = _measured(run)
+    return {**measured, "rank_bytes_read": result["convert"]["rank_bytes_read"],
+            "rank_bytes_written": result["convert"]["rank_bytes_written"],
+            "source_bytes": result["convert"]["source_bytes"], "checkpoint_bytes": result["convert"]["checkpoint_bytes"]}
 
 
-def _ready(rank: int, world: int) -> None:
-    """Nothing: the first spawn starts the fork server, which no route's time should include."""
+def _titan_whole(src: str, out: str, layers: int, assets: str) -> dict:
+    """torchtitan's convert_to_hf.py, as the wheel's parts allow (the script is not in the wheel)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+    def run() -> None:
+        with torch.inference_mode():
+            config = _model_config(layers)
+            with torch.device("cpu"):
+                model = ModelWrapper(config.build())
+            adapter = Qwen3StateDictAdapter(config, assets)
+            state_dict = model._get_state_dict()
+            dcp.load(state_dict, checkpoint_id=src)
+            hf = {k: v.to(torch.bfloat16) for k, v in adapter.to_hf(state_dict).items()}
+            dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
+                path=out, save_distributed=True, fqn_to_index_mapping=adapter.fqn_to_index_mapping,
+                enable_consolidation=True, thread_count_consolidation=5), no_dist=True)
+
+    return _measured(run)
 
 
-def _whole_state_dict(rank: int, world: int, src: str, out: str) -> dict:
-    """One process loads every stored tensor (torch DCP), casts, and writes one file."""
+def _titan_per_key(src: str, out: str, layers: int, assets: str) -> dict:
+    """torchtitan's convert_to_hf_incremental.py: one dcp.load per key, files written when whole."""
+    import pickle
+    from collections import defaultdict
+
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint import FileSystemReader
+    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
-    metadata = FileSystemReader(src).read_metadata()
-    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
-    dcp.load(state, checkpoint_id=src, no_dist=True)
-    os.makedirs(out, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, os.path.join(out, "model.safetensors"))
-    read = sum(info.length for info in metadata.storage_data.values())
-    return {"read": read, "written": os.path.getsize(os.path.join(out, "model.safetensors")), "rss_mib": _peak_rss_mib()}
+    def run() -> None:
+        with torch.inference_mode():
+            adapter = Qwen3StateDictAdapter(_model_config(layers), assets)
+            with open(os.path.join(src, ".metadata"), "rb") as f:
+                metadata = pickle.load(f)  # noqa: S301 - our own benchmark's file, as the script reads it
+            weight_map = json.load(open(os.path.join(assets, "model.safetensors.index.json")))["weight_map"]
+            files = defaultdict(list)
+            for key, name in weight_map.items():
+                files[name].append(key)
+            os.makedirs(out, exist_ok=True)
+            held: dict = {}
+            for key, meta in sorted(metadata.state_dict_metadata.items()):
+                one = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+                dcp.load(one, checkpoint_id=src, no_dist=True)
+                held.update({k: v.to(torch.bfloat16) for k, v in adapter.to_hf(one).items()})
+                for name in [n for n, keys in files.items() if all(k in held for k in keys)]:
+                    save_file({k: held.pop(k).contiguous() for k in files.pop(name)}, os.path.join(out, name))
 
-
-def _save_checkpoint(args: argparse.Namespace, work: str):
-    """The model, its HF-keyed DCP checkpoint and its config folder; the in-job export of it."""
-    import torch.distributed.checkpoint as dcp
-
-    from nemo_moe_export.adapters import get_adapter
-    from nemo_moe_export.export import export_hf_checkpoint
-    from nemo_moe_export.tiny_models import tiny_model
-
-    model = tiny_model("deepseek_v3", n_experts=args.experts, hidden_size=args.hidden, num_layers=args.layers,
-                       moe_intermediate_size=args.hidden // 2, vocab_size=args.vocab, seed=0)
-    hf = {k: p.tensor.contiguous() for k, p in get_adapter(model.config).to_hf(model.state_dict()).items()}
-    src, config = os.path.join(work, "checkpoint"), os.path.join(work, "config")
-    dcp.save(hf, checkpoint_id=src, no_dist=True)
-    model.config.save_pretrained(config)
-    export_hf_checkpoint(os.path.join(work, "in_job"), model, dtype="bfloat16")
-    return src, config, sum(t.numel() * t.element_size() for t in hf.values())
+    return _measured(run)
 
 
-def _equal(a: str, b: str) -> bool:
-    import glob
+def _disk(src: str, out: str, write_bytes: int) -> dict:
+    """The disk's own cost: the source's files read sequentially, ``write_bytes`` written and fsynced."""
+    block = 64 << 20
 
-    import torch
-    from safetensors.torch import load_file
+    def run() -> None:
+        for name in sorted(os.listdir(src)):
+            with open(os.path.join(src, name), "rb", buffering=0) as f:
+                while f.read(block):
+                    pass
+        os.makedirs(out, exist_ok=True)
+        data, left = bytearray(os.urandom(1 << 20)) * 64, write_bytes
+        fd = os.open(os.path.join(out, "bytes"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            while left > 0:
+                left -= os.write(fd, memoryview(data)[:min(left, block)])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
-    def tensors(d):
-        return {k: v for f in glob.glob(os.path.join(d, "*.safetensors")) for k, v in load_file(f).items()}
-
-    x, y = tensors(a), tensors(b)
-    return x.keys() == y.keys() and all(x[k].dtype == y[k].dtype and torch.equal(x[k], y[k]) for k in x)
+    return _measured(run)
 
 
-def _timed(fn, *args) -> tuple[list[dict], float]:
+# ---- running a route in a fresh process ---------------------------------------------------------
+
+def _drop_cache(path: str) -> None:
+    """Evict ``path``'s files from the page cache (clean pages: no root needed) so reads hit the disk."""
+    subprocess.run(["sync"], check=False)
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _in_child(route: str, args: dict) -> dict:
+    """Run one route in a fresh interpreter (its own peak RSS, imports not counted twice)."""
+    out = args["out"]
+    shutil.rmtree(out, ignore_errors=True)
+    _drop_cache(args["src"])
     started = time.perf_counter()
-    return fn(*args), time.perf_counter() - started
+    proc = subprocess.run([sys.executable, __file__, "--child", route, json.dumps(args)], capture_output=True,
+                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        return dict(route=route, error=proc.stderr[-2000:])
+    ranks = json.loads(proc.stdout.strip().splitlines()[-1])
+    return _summary(route, ranks, wall, out)
 
 
-def main() -> None:
-    import warnings
+def _summary(route: str, ranks: list[dict], wall: float, out: str) -> dict:
+    on_disk = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(out) for f in fs)
+    return dict(route=route, ranks=len(ranks), seconds=round(max(r["seconds"] for r in ranks), 2),
+                process_wall_s=round(wall, 2), bytes_read=sum(r["read"] for r in ranks),
+                bytes_written=sum(r["written"] for r in ranks), output_bytes=on_disk,
+                peak_rss_mib_per_rank=[r["peak_rss_mib"] for r in ranks],
+                **{k: ranks[0][k] for k in ("source_bytes", "checkpoint_bytes") if k in ranks[0]})
 
-    from nemo_moe_export.spawn import spawn
 
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="1,2", help="comma-separated rank counts")
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--vocab", type=int, default=256)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="convert-bench-") as work:
-        src, config, model_bytes = _save_checkpoint(args, work)
-        spawn(_ready, 1)
-        runs, equal = [], True
-        for n in [int(r) for r in args.ranks.split(",")]:
-            out = os.path.join(work, f"ours-{n}")
-            ranks, seconds = _timed(spawn, _convert, n, src, out, config)
-            equal &= _equal(out, os.path.join(work, "in_job"))
-            runs.append(dict(route=f"convert_checkpoint x{n}", seconds=round(seconds, 3),
-                             read=sum(r["read"] for r in ranks), written=sum(r["written"] for r in ranks),
-                             peak_rss_mib=round(max(r["rss_mib"] for r in ranks), 1)))
-        whole, seconds = _timed(spawn, _whole_state_dict, 1, src, os.path.join(work, "whole"))
-        runs.append(dict(route="whole state dict, one process", seconds=round(seconds, 3), read=whole[0]["read"],
-                         written=whole[0]["written"], peak_rss_mib=round(whole[0]["rss_mib"], 1)))
-        for run in runs:
-            print(json.dumps({"model_bytes": model_bytes, **run}))
-        print(f"converted on {args.ranks} ranks: equal to the in-job export: {equal}")
+def _child(route: str, args: dict) -> None:
+    if route == "ours":
+        ranks = _ranks(args["world"], _ours_rank, args["src"], args["out"], args["config"])
+    elif route == "titan_whole":
+        ranks = [_titan_whole(args["src"], args["out"], args["layers"], args["assets"])]
+    elif route == "titan_per_key":
+        ranks = [_titan_per_key(args["src"], args["out"], args["layers"], args["assets"])]
+    else:
+        ranks = [_disk(args["src"], args["out"], args["write_bytes"])]
+    print(json.dumps(ranks))
+
+
+def run_size(work: str, size_gb: float, worlds: list[int], routes: list[str]) -> dict:
+    src, config, layers = make_checkpoint(work, size_gb)
+    source_bytes = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+    rows, assets = [], os.path.join(work, "ours_1")
+    for world in worlds:  # ours first: its index.json is the file layout the per-key route needs
+        out = os.path.join(work, f"ours_{world}")
+        rows.append(_in_child("ours", dict(world=world, src=src, out=out, config=config)))
+        if world != worlds[0]:
+            shutil.rmtree(out, ignore_errors=True)
+    assets = os.path.join(work, f"ours_{worlds[0]}")
+    written = rows[0].get("checkpoint_bytes", 0)
+    for route in routes:
+        args = dict(src=src, out=os.path.join(work, route), layers=layers, assets=assets, write_bytes=written)
+        rows.append(_in_child(route, args))
+        shutil.rmtree(args["out"], ignore_errors=True)
+    shutil.rmtree(assets, ignore_errors=True)
+    return dict(size_gb=size_gb, layers=layers, checkpoint_dir_bytes=source_bytes, routes=_ratios(rows))
+
+
+def _ratios(rows: list[dict]) -> list[dict]:
+    """Each route's speed-up against the fastest alternative, and ours against the disk's time."""
+    others = [r["seconds"] for r in rows if r["route"] in ("titan_whole", "titan_per_key") and "seconds" in r]
+    disk = next((r["seconds"] for r in rows if r["route"] == "disk" and "seconds" in r), None)
+    for row in rows:
+        if row["route"] == "ours" and "seconds" in row:
+            if others:
+                row["speedup_vs_fastest_alternative"] = round(min(others) / row["seconds"], 2)
+            if disk:
+                row["disk_efficiency"] = round(disk / row["seconds"], 2)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gb", default="1", help="checkpoint sizes, e.g. 1,5")
+    parser.add_argument("--ranks", default="1,2,4", help="our rank counts")
+    parser.add_argument("--routes", default="titan_whole,titan_per_key,disk")
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "convert_bench"))
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.child[0], json.loads(args.child[1]))
+    os.makedirs(args.work, exist_ok=True)
+    worlds = [int(w) for w in args.ranks.split(",")]
+    routes = [r for r in args.routes.split(",") if r]
+    report = dict(cpus=os.cpu_count(), sizes=[run_size(args.work, float(s), worlds, routes)
+                                              for s in args.size_gb.split(",")])
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@
                     --world W [--strategy fsdp|hsdp|ep|ep_fsdp] [--replicate R] [--ep E] [--pp P]
                     [--stages-per-rank V] [--layers-per-stage 4,4,3,...] [--json] ...
                                                                      what every rank will write, and how long
+    nemo-moe-export plan --convert (--config CONFIG.json | --model-preset NAME) --world W [--read-bandwidth 2GB]
+                    [--node-bandwidth 2GB] [--ranks-per-node R] [--json]
+                                                                     what converting a checkpoint will read, write, take
     nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
                                                                      the same as a NeMo-Run job
     nemo-moe-export convert SRC OUT --config HF_CONFIG [--dtype D] [--tokenizer DIR] [--overwrite replace]
@@ -50,7 +53,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nemo_moe_export.config import ParallelConfig, register_configs
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.export.options import ExportOptions, parse_size
+from nemo_moe_export.export.options import ExportOptions, parse_dtype, parse_size
 from nemo_moe_export.export.verify import verify_checkpoint
 from nemo_moe_export.integrations.nemo_run import launch_main
 from nemo_moe_export.serving.vllm_logprobs import check_with_vllm, vllm_python
@@ -62,6 +65,7 @@ from nemo_moe_export.job.compose import (find_recipe, hydra_overrides, hydra_sea
 from nemo_moe_export.job.stages import check_recipe, run_recipe
 from nemo_moe_export.job.torchrun import check_local_resources, run_torchrun, stop_on_signals, stopped_by
 from nemo_moe_export.planner import TimeModel, format_table, plan_job
+from nemo_moe_export.planner.convert import ConversionModel, format_conversion, plan_conversion
 from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
 
 __all__ = ["DEBUG_ENV", "main"]
@@ -261,6 +265,13 @@ def _plan_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="tokenizer directory for --mmlu")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--per-rank", action="store_true", help="with --json: every rank's numbers")
+    convert = parser.add_argument_group("a checkpoint's conversion (docs/convert.md), instead of an export")
+    convert.add_argument("--convert", action="store_true",
+                         help="predict `nemo-moe-export convert` of a checkpoint of this model on --world CPU ranks")
+    convert.add_argument("--source-dtype", default="bfloat16", help="the checkpoint's weights' dtype (bfloat16)")
+    convert.add_argument("--read-bandwidth", type=_bandwidth, default=2e9, help="read bandwidth of one node (2GB)")
+    convert.add_argument("--decode-bandwidth", type=_bandwidth, default=1e9,
+                         help="bytes/s one rank decodes and casts (1GB)")
     return parser
 
 
@@ -272,9 +283,25 @@ def plan_main(argv: list[str]) -> int:
         parser.error("overrides apply to --recipe only")
     if bool(args.mmlu) != bool(args.tokenizer):
         parser.error("--mmlu and --tokenizer go together")
+    if args.convert:
+        report = _conversion_report(args)
+        print(json.dumps(report, indent=1) if args.json else format_conversion(report))
+        return 0
     report = _plan_report(args)
     print(json.dumps(report, indent=1) if args.json else format_table(report))
     return 0
+
+
+def _conversion_report(args: Any) -> dict:
+    """``plan --convert``: the conversion's bytes per rank and time (planner/convert.py)."""
+    if args.recipe:
+        target = from_recipe(args.recipe, args.overrides, args.config_dir)
+    else:
+        target = (from_config_file if args.config else from_preset)(args.config or args.model_preset,
+                                                                     ParallelConfig(), ExportOptions())
+    model = ConversionModel(args.read_bandwidth, args.node_bandwidth, args.decode_bandwidth, args.ranks_per_node)
+    return plan_conversion(target.config, args.world, model, source_dtype=parse_dtype(args.source_dtype),
+                           dtype=args.dtype or "bfloat16")
 
 
 def _plan_report(args: Any) -> dict:
