@@ -215,3 +215,17 @@ def test_the_command_line_converts_and_refuses_an_existing_output(saved, tmp_pat
     assert printed["format"] == "torchtitan" and printed["path"] == out
     assert main(["convert", src, out, "--config", config]) == 1
     assert "export target already exists" in capsys.readouterr().err
+
+
+def test_deepseek_v3_mtp_block_maps_as_torchtitans_own_to_hf(saved, tmp_path):
+    """The MTP block (``mtp_layers.0.*``: its attention, MoE, enorm / hnorm / eh_proj / mtp_norm) is
+    HF layer ``num_hidden_layers``, as torchtitan's own adapter writes it (transformers builds no MTP
+    module, so the reference here is torchtitan's ``to_hf`` alone)."""
+    family = os.path.join(saved, "deepseek_v3_mtp")
+    convert_checkpoint(os.path.join(family, "dcp"), str(tmp_path / "hf"), config=family, progress_s=None)
+    from safetensors.torch import load_file
+
+    got, want = tensors_of(str(tmp_path / "hf")), load_file(os.path.join(family, "reference.safetensors"))
+    assert any(k.startswith("model.layers.2.") for k in want)
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
