@@ -243,3 +243,18 @@ def test_a_corrupt_item_is_refused_naming_its_key_and_nothing_is_published(saved
         convert_checkpoint(src, str(tmp_path / "out"), config=os.path.join(saved, "qwen3_moe"), progress_s=None)
     assert raised.value.__cause__.key == "norm.weight"
     assert set(os.listdir(tmp_path)) == before  # the partial directory removed, no target
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 7, 64])
+def test_work_is_every_box_once_in_file_order_balanced_by_bytes(saved, world):
+    from nemo_moe_export.convert.assign import assign_work, model_chunks
+    from nemo_moe_export.convert.tables import table_for
+    from nemo_moe_export.convert.checks import hf_config_of
+
+    index = read_index(os.path.join(saved, "deepseek_v3", "dcp"))
+    chunks = model_chunks(index, table_for(index, hf_config_of(os.path.join(saved, "deepseek_v3"))).skipped)
+    work = assign_work(chunks, world)
+    assert assign_work(list(chunks), world) == work  # pure and deterministic
+    assert [c for share in work for c in share] == chunks  # every box once, contiguous runs in read order
+    total, largest = sum(c.length for c in chunks), max(c.length for c in chunks)
+    assert all(sum(c.length for c in share) <= total / world + largest for share in work)
