@@ -37,8 +37,10 @@ def _convert(rank: int, world: int, src: str, out: str, config: str) -> dict:
     return {"read": result.rank_bytes_read, "written": result.rank_bytes_written, "rss_mib": _peak_rss_mib()}
 
 
-def _ready(rank: int, world: int) -> None:
-    """Nothing: the first spawn starts the fork server, which no route's time should include."""
+def _ready(rank: int, world: int) -> float:
+    """A rank's peak RSS before any work (torch, transformers and the package preloaded): the first
+    spawn also starts the fork server, which no route's time should include."""
+    return _peak_rss_mib()
 
 
 def _whole_state_dict(rank: int, world: int, src: str, out: str) -> dict:
@@ -108,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="convert-bench-") as work:
         src, config, model_bytes = _save_checkpoint(args, work)
-        spawn(_ready, 1)
+        baseline = spawn(_ready, 1)[0]
         runs, equal = [], True
         for n in [int(r) for r in args.ranks.split(",")]:
             out = os.path.join(work, f"ours-{n}")
@@ -121,7 +123,7 @@ def main() -> None:
         runs.append(dict(route="whole state dict, one process", seconds=round(seconds, 3), read=whole[0]["read"],
                          written=whole[0]["written"], peak_rss_mib=round(whole[0]["rss_mib"], 1)))
         for run in runs:
-            print(json.dumps({"model_bytes": model_bytes, **run}))
+            print(json.dumps({"model_bytes": model_bytes, **run, "rank_baseline_rss_mib": round(baseline, 1)}))
         print(f"converted on {args.ranks} ranks: equal to the in-job export: {equal}")
 
 

@@ -215,3 +215,31 @@ def test_the_command_line_converts_and_refuses_an_existing_output(saved, tmp_pat
     assert printed["format"] == "torchtitan" and printed["path"] == out
     assert main(["convert", src, out, "--config", config]) == 1
     assert "export target already exists" in capsys.readouterr().err
+
+
+def test_deepseek_v3_mtp_block_maps_as_torchtitans_own_to_hf(saved, tmp_path):
+    """The MTP block (``mtp_layers.0.*``: its attention, MoE, enorm / hnorm / eh_proj / mtp_norm) is
+    HF layer ``num_hidden_layers``, as torchtitan's own adapter writes it (transformers builds no MTP
+    module, so the reference here is torchtitan's ``to_hf`` alone)."""
+    family = os.path.join(saved, "deepseek_v3_mtp")
+    convert_checkpoint(os.path.join(family, "dcp"), str(tmp_path / "hf"), config=family, progress_s=None)
+    from safetensors.torch import load_file
+
+    got, want = tensors_of(str(tmp_path / "hf")), load_file(os.path.join(family, "reference.safetensors"))
+    assert any(k.startswith("model.layers.2.") for k in want)
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_corrupt_item_is_refused_naming_its_key_and_nothing_is_published(saved, tmp_path):
+    src = _copy(saved, "qwen3_moe", tmp_path)
+    index = read_index(src)
+    chunk = next(c for t in index.tensors.values() if t.key == "norm.weight" for c in t.chunks)
+    with open(os.path.join(src, chunk.file), "r+b") as f:  # the item's bytes overwritten, the file's size kept
+        f.seek(chunk.byte_offset)
+        f.write(b"\0" * chunk.length)
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(PeerError, match="not a torch.save archive") as raised:
+        convert_checkpoint(src, str(tmp_path / "out"), config=os.path.join(saved, "qwen3_moe"), progress_s=None)
+    assert raised.value.__cause__.key == "norm.weight"
+    assert set(os.listdir(tmp_path)) == before  # the partial directory removed, no target

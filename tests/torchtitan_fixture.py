@@ -2,7 +2,7 @@
 
 Run as a script in an interpreter that can import torchtitan 0.3.0 (``TORCHTITAN_PATH`` on
 ``sys.path``, see the Makefile): ``python tests/torchtitan_fixture.py OUT``. For each family
-(DeepSeek-V3, Qwen3 MoE) it builds a tiny torchtitan model from torchtitan's own config builders,
+(DeepSeek-V3, Qwen3 MoE, DeepSeek-V3 with one MTP block) it builds a tiny torchtitan model from torchtitan's own config builders,
 shards it with ``fully_shard`` over 2 gloo ranks, takes one AdamW step with torchtitan's
 ``OptimizersContainer`` and saves what torchtitan's checkpointer saves (``dcp.save`` of the model's
 state dict flattened at the top level, ``optimizer`` and ``train_state`` beside it,
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-FAMILIES = ("deepseek_v3", "qwen3_moe")
+FAMILIES = ("deepseek_v3", "qwen3_moe", "deepseek_v3_mtp")  # the last: one MTP block, compared with to_hf only
 WORLD = 2
 VOCAB, DIM, EXPERTS, MOE_HIDDEN = 64, 32, 4, 16
 
@@ -49,7 +49,7 @@ def _qwen3():
     return config, qwen3.Qwen3StateDictAdapter, hf
 
 
-def _deepseek():
+def _deepseek(mtp: int = 0):
     from torchtitan.models import deepseek_v3 as ds
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.deepseek_v3 import ComplexRoPE, RMSNorm
@@ -65,19 +65,19 @@ def _deepseek():
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
         lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)),
-        layers=layers, mtp_layers=[])
+        layers=layers, mtp_layers=ds._build_mtp_layers(layers[-1], dim=DIM, num_mtp_layers=mtp) if mtp else [])
     from transformers import DeepseekV3Config
 
     hf = DeepseekV3Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=48, moe_intermediate_size=MOE_HIDDEN,
                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=EXPERTS,
                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
                           q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
-                          topk_group=1, max_position_embeddings=64, num_nextn_predict_layers=0,
+                          topk_group=1, max_position_embeddings=64, num_nextn_predict_layers=mtp,
                           tie_word_embeddings=False)
     return config, ds.DeepSeekV3StateDictAdapter, hf
 
 
-BUILDERS = {"qwen3_moe": _qwen3, "deepseek_v3": _deepseek}
+BUILDERS = {"qwen3_moe": _qwen3, "deepseek_v3": _deepseek, "deepseek_v3_mtp": lambda: _deepseek(mtp=1)}
 
 
 def _save_family(family: str, out: str, rank: int) -> None:
@@ -94,7 +94,9 @@ def _save_family(family: str, out: str, rank: int) -> None:
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1)
     mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers:
+    blocks = [*model.layers.values()] if isinstance(model.layers, torch.nn.ModuleDict) else [*model.layers]
+    blocks += list(getattr(model, "mtp_layers", None) or [])
+    for layer in blocks:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizers = OptimizersContainer(OptimizersContainer.Config(

@@ -141,6 +141,10 @@ def _dcp_tensors(metadata) -> tuple[dict[str, StoredTensor], frozenset[str]]:
             if info is None:
                 raise InputError("the DCP metadata has a box with no stored bytes", key=key,
                                  expected=f"a storage entry at offsets {offsets}", actual="none")
+            if getattr(info, "transform_descriptors", None):  # e.g. compressed by a DCP extension
+                raise InputError("a DCP item is stored through transforms the conversion does not read", key=key,
+                                 expected="plain torch.save items", actual=list(info.transform_descriptors),
+                                 hint="save the checkpoint without storage extensions")
             chunks.append(StoredChunk(key, offsets, tuple(int(s) for s in chunk.sizes), str(info.relative_path),
                                       int(info.offset), int(info.length)))
         tensors[key] = StoredTensor(key, tuple(int(s) for s in meta.size), meta.properties.dtype, tuple(chunks))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -80,7 +81,12 @@ def _decode(chunk: StoredChunk, data: memoryview, dtype: torch.dtype) -> torch.T
     if chunk.encoding == "raw":
         tensor = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
         return tensor.view(chunk.sizes)
-    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        raise InputError("a stored item is not a torch.save archive of a tensor", key=chunk.key,
+                         expected=f"{chunk.length} bytes of torch.save at {chunk.file}:{chunk.byte_offset}",
+                         actual=f"{type(exc).__name__}: {str(exc)[:200]}") from None
     if not torch.is_tensor(tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != dtype:
         raise InputError("a stored item does not hold the box the index declares", key=chunk.key,
                          expected=f"{tuple(chunk.sizes)} {dtype}",
