@@ -311,3 +311,17 @@ def test_another_models_config_is_refused_before_any_file_exists(config_of, chan
     with pytest.raises(PeerError, match=f"InputError: .*{message}"):  # every rank's agreed refusal
         convert_checkpoint(checkpoint_dir(megatron_root, "tp2_ep2_sp", "qwen3_moe"), out, config=config)
     assert not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_the_command_line_needs_no_config_for_a_megatron_lm_checkpoint(megatron_root, tmp_path, capsys):
+    from nemo_moe_export.cli import main
+
+    layout, family = "pp2_ep2", "deepseek_v3"
+    out = str(tmp_path / "hf")
+    assert main(["convert", checkpoint_dir(megatron_root, layout, family), out, "--dtype", "bfloat16"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["format"] == FORMAT and printed["path"] == out
+    expected, got = _expected(megatron_root, layout, family, "bfloat16"), _tensors(out)
+    assert sorted(got) == sorted(expected)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+    assert _config_json(out) == _config_json(export_dir(megatron_root, layout, family, "bfloat16"))
