@@ -79,21 +79,24 @@ def _io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def _peak_mib() -> float:
+def _status_mib(field: str) -> float:
+    """A memory line of /proc/self/status (VmRSS: now, VmHWM: peak), in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return 0.0
 
 
 def _measured(body) -> dict:
-    """Run ``body()`` in this process; its seconds, bytes read / written and peak RSS."""
+    """Run ``body()`` in this process; its seconds, bytes read / written, RSS before it and peak RSS."""
+    baseline = _status_mib("VmRSS")
     before, started = _io(), time.perf_counter()
     body()
     after = _io()
     return dict(seconds=time.perf_counter() - started, read=after["rchar"] - before["rchar"],
-                written=after["wchar"] - before["wchar"], peak_rss_mib=round(_peak_mib(), 1))
+                written=after["wchar"] - before["wchar"], baseline_rss_mib=round(baseline, 1),
+                peak_rss_mib=round(_status_mib("VmHWM"), 1))
 
 
 def _ranks(world: int, target, *args) -> list[dict]:
@@ -285,6 +288,7 @@ def _summary(route: str, ranks: list[dict], wall: float, out: str) -> dict:
                 process_wall_s=round(wall, 2), bytes_read=sum(r["read"] for r in ranks),
                 bytes_written=sum(r["written"] for r in ranks), output_bytes=on_disk,
                 peak_rss_mib_per_rank=[r["peak_rss_mib"] for r in ranks],
+                baseline_rss_mib_per_rank=[r["baseline_rss_mib"] for r in ranks],
                 **{k: ranks[0][k] for k in ("source_bytes", "checkpoint_bytes") if k in ranks[0]})
 
 

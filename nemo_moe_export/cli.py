@@ -52,6 +52,7 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_moe_export.config import ParallelConfig, register_configs
+from nemo_moe_export.convert.command import convert_main
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import ExportOptions, parse_dtype, parse_size
 from nemo_moe_export.export.verify import verify_checkpoint
@@ -337,8 +338,6 @@ def _run(argv: list[str]) -> int:
     if argv and argv[0] == "launch":
         return launch_main(argv[1:])
     if argv and argv[0] == "convert":
-        from nemo_moe_export.convert.command import convert_main  # the conversion imports no recipe code
-
         return convert_main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)

@@ -248,7 +248,7 @@ def test_a_corrupt_item_is_refused_naming_its_key_and_nothing_is_published(saved
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 7, 64])
 def test_work_is_every_box_once_in_file_order_balanced_by_bytes(saved, world):
     from nemo_moe_export.convert.assign import assign_work, model_chunks
-    from nemo_moe_export.convert.tables import table_for
+    from nemo_moe_export.convert.formats import table_for
     from nemo_moe_export.convert.checks import hf_config_of
 
     index = read_index(os.path.join(saved, "deepseek_v3", "dcp"))

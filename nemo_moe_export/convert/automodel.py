@@ -14,7 +14,6 @@ from typing import Any
 
 from nemo_moe_export.convert.index import CheckpointIndex
 from nemo_moe_export.convert.rules import Rule, RuleTable
-from nemo_moe_export.convert.tables import register_table
 
 __all__ = ["automodel_table"]
 
@@ -28,5 +27,3 @@ def automodel_table(index: CheckpointIndex, hf_config: Any) -> RuleTable:
     tied = (r"lm_head\.weight",) if getattr(text, "tie_word_embeddings", False) else ()
     return RuleTable("automodel", _HF_KEYS, _SKIP, tied)
 
-
-register_table("automodel", automodel_table)

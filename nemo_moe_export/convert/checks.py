@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from nemo_moe_export.adapters import TensorMeta, get_adapter
 from nemo_moe_export.errors import InputError
@@ -26,8 +27,6 @@ __all__ = ["check_shapes", "expected_metadata", "hf_config_of"]
 
 def hf_config_of(config: Any) -> Any:
     """A transformers config from a ``PretrainedConfig``, a ``config.json`` path or its directory."""
-    from transformers import AutoConfig, PretrainedConfig
-
     if isinstance(config, PretrainedConfig):
         return config
     if config is None:
@@ -51,8 +50,6 @@ def hf_config_of(config: Any) -> Any:
 
 def expected_metadata(hf_config: Any) -> dict[str, TensorMeta]:
     """Every HF key (global shape) the in-job export writes for a model of ``hf_config``."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     return get_adapter(hf_config).hf_metadata(model.state_dict())

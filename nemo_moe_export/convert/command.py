@@ -12,8 +12,13 @@ import json
 import os
 import sys
 
+import torch.distributed as dist
+
+from nemo_moe_export.convert.engine import convert_checkpoint
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import OVERWRITE_POLICIES, QUANTIZE_METHODS
+from nemo_moe_export.job.torchrun import run_torchrun
+from nemo_moe_export.parallel import PeerError, init_distributed
 
 __all__ = ["convert_main", "convert_parser"]
 
@@ -55,8 +60,6 @@ def convert_main(argv: list[str]) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise InputError("--nproc must be at least 1", key="--nproc", expected=">= 1", actual=args.nproc)
-        from nemo_moe_export.job.torchrun import run_torchrun
-
         rest = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
                 and (i == 0 or argv[i - 1] != "--nproc")]
         return run_torchrun(args.nproc, ["convert", *rest])
@@ -65,11 +68,6 @@ def convert_main(argv: list[str]) -> int:
 
 def _convert_here(args: argparse.Namespace) -> int:
     """Convert on this rank (one of torchrun's, or alone); the exit status."""
-    import torch.distributed as dist
-
-    from nemo_moe_export.convert.engine import convert_checkpoint
-    from nemo_moe_export.parallel import PeerError, init_distributed
-
     init_distributed("cpu", timeout_s=600.0)
     rank0 = os.environ.get("RANK", "0") == "0"
     try:

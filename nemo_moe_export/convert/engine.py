@@ -34,7 +34,8 @@ from nemo_moe_export.convert.assign import assign_work, model_chunks
 from nemo_moe_export.convert.checks import check_shapes, hf_config_of
 from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk, read_index
 from nemo_moe_export.convert.reader import ReadStats, check_files, read_chunks
-from nemo_moe_export.convert.tables import CheckpointTable, recorded_config, table_for
+from nemo_moe_export.convert.formats import recorded_config, table_for
+from nemo_moe_export.convert.tables import CheckpointTable
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions

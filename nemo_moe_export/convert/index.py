@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from nemo_moe_export.errors import InputError
+from nemo_moe_export.safetensors_format import read_header, torch_dtype
 
 __all__ = ["CheckpointIndex", "StoredChunk", "StoredTensor", "detect_format", "read_dcp_metadata", "read_index"]
 
@@ -158,8 +159,6 @@ def _safetensors_tensors(directory: str) -> dict[str, StoredTensor]:
     """HF-keyed safetensors shards (AutoModel's, through torch DCP's HF storage writer): each file
     holds one box of each of its tensors, at the global offsets its header's ``DCP_SHARDING_INFO``
     records (none: the whole tensor); a tensor's global shape is where its boxes end."""
-    from nemo_moe_export.safetensors_format import read_header, torch_dtype
-
     boxes: dict[str, list[StoredChunk]] = {}
     dtypes: dict[str, torch.dtype] = {}
     for name in sorted(n for n in os.listdir(directory) if n.endswith(".safetensors")):

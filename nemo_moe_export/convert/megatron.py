@@ -39,7 +39,6 @@ import torch
 from nemo_moe_export.adapters import HFShard, LocalExperts, StateDictAdapter, TensorMeta, get_table
 from nemo_moe_export.adapters.tables_megatron import NAMING
 from nemo_moe_export.convert.megatron_config import config_from_checkpoint
-from nemo_moe_export.convert.tables import register_table
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.placement import LocalBox
 
@@ -229,5 +228,3 @@ def _fits(template: str, name: str) -> bool:
     pattern = re.escape(template).replace(r"\{layer\}", r"\d+").replace(r"\{expert\}", r"\d+")
     return re.fullmatch(pattern.replace("{{", "{").replace("}}", "}"), name) is not None
 
-
-register_table(FORMAT, MegatronTorchDistTable, recorded_config=config_from_checkpoint)

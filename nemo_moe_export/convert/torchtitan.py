@@ -15,7 +15,6 @@ from typing import Any
 
 from nemo_moe_export.convert.index import CheckpointIndex
 from nemo_moe_export.convert.rules import Rule, RuleTable
-from nemo_moe_export.convert.tables import register_table
 from nemo_moe_export.errors import InputError
 
 __all__ = ["TORCHTITAN_SKIP", "torchtitan_table"]
@@ -95,5 +94,3 @@ def torchtitan_table(index: CheckpointIndex, hf_config: Any) -> RuleTable:
     raise InputError("no torchtitan key table for this model type", key="model_type",
                      expected="qwen3_moe or deepseek_v3", actual=model_type)
 
-
-register_table("torchtitan", torchtitan_table)
