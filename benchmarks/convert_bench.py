@@ -5,11 +5,11 @@
 One run, one checkpoint, side by side (docs/convert.md#benchmark):
 
 * ``ours``           ``convert_checkpoint`` on N ranks (no model; positioned reads, each byte once);
-* ``titan_whole``    torchtitan's ``convert_to_hf.py`` route rebuilt from the wheel: the model built
+* ``whole``          torchtitan's ``convert_to_hf.py`` route rebuilt from the wheel: the model built
                      in one process (float32), ``dcp.load`` of the whole state dict, the adapter's
                      ``to_hf``, cast, DCP's ``HuggingFaceStorageWriter`` with consolidation (sharded
                      files, then consolidated ones: every byte written twice);
-* ``titan_per_key``  torchtitan's ``convert_to_hf_incremental.py`` route: one ``dcp.load`` per key
+* ``per_key``        torchtitan's ``convert_to_hf_incremental.py`` route: one ``dcp.load`` per key
                      (a planning pass and a read each), tensors held until an output file is whole,
                      the file layout taken from an existing HF index (ours, for the same files);
 * ``disk``           the disk's own cost for the same bytes: the model's stored bytes read
@@ -17,10 +17,13 @@ One run, one checkpoint, side by side (docs/convert.md#benchmark):
 
 The checkpoint is written by torchtitan's own model (Qwen3 MoE, float32 as torchtitan trains) under
 ``fully_shard`` on 4 gloo ranks, ``dcp.save`` of its state dict (no optimizer: the routes above read
-only the model's keys). Before each run the source's pages are dropped from the page cache
-(``posix_fadvise(DONTNEED)`` after ``sync``), so every route reads from the disk. Per route: seconds
-(wall time of the route's processes), bytes read and written (``/proc/<pid>/io`` ``rchar`` /
-``wchar``, every rank summed), peak RSS per rank (``VmHWM``). Needs torchtitan 0.3.0 importable.
+only the model's keys). Where torchtitan does not import (its 0.3.0 needs torch 2.13's
+``DataParallelMeshDims``; ``--source hf``), the same model's HF-keyed state dict is saved instead,
+``Shard(0)`` DTensors on 4 ranks as AutoModel saves it, and the two routes run without the adapter
+(its ``to_hf`` renames and splits views: no I/O). Before each run the source's pages are dropped
+from the page cache (``posix_fadvise(DONTNEED)`` after ``sync``), so every route reads from the
+disk. Per route: seconds (wall time of the route's processes), bytes read and written
+(``/proc/<pid>/io`` ``rchar`` / ``wchar``, every rank summed), peak RSS per rank (``VmHWM``). Needs torchtitan 0.3.0 importable.
 """
 
 from __future__ import annotations
@@ -148,73 +151,125 @@ def _save_rank(rank: int, world: int, directory: str, layers: int) -> dict:
     return {}
 
 
-def make_checkpoint(work: str, size_gb: float) -> tuple[str, str, int]:
-    """The torchtitan checkpoint of about ``size_gb`` GB (cached in ``work``) and its HF config."""
+def _save_hf_rank(rank: int, world: int, directory: str, layers: int) -> dict:
+    """The HF-keyed checkpoint AutoModel saves (``model_save_format: torch_save``): every HF tensor of
+    the model as a DTensor, ``Shard(0)`` over the ranks (``torch.chunk``'s rows), saved with DCP."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from nemo_moe_export.convert.checks import expected_metadata
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(rank)
+    state = {}
+    for key, meta in expected_metadata(_hf_config(layers)).items():
+        rows = torch.empty(meta.shape[0], device="meta").chunk(world)
+        local = (rows[rank].shape[0] if rank < len(rows) else 0, *meta.shape[1:])
+        state[key] = DTensor.from_local(torch.empty(local).normal_(0, 0.02), mesh, [Shard(0)],
+                                        shape=torch.Size(meta.shape), stride=torch.empty(meta.shape, device="meta").stride())
+    dcp.save(state, checkpoint_id=directory)
+    return {}
+
+
+def torchtitan_importable() -> bool:
+    try:
+        import torchtitan.models.qwen3  # noqa: F401
+    except Exception:  # noqa: BLE001 - any reason: the routes say which source they ran on
+        return False
+    return True
+
+
+def make_checkpoint(work: str, size_gb: float, source: str) -> tuple[str, str, int]:
+    """The checkpoint of about ``size_gb`` GB (cached in ``work``) and its HF config: torchtitan's
+    own model saved (``source="torchtitan"``) or the HF-keyed one (``"hf"``)."""
     layers = _layers_for(size_gb)
-    root = os.path.join(work, f"titan_{size_gb:g}gb")
+    root = os.path.join(work, f"{source}_{size_gb:g}gb")
     src, config = os.path.join(root, "dcp"), os.path.join(root, "hf_config")
     if not os.path.exists(os.path.join(src, ".metadata")):
         shutil.rmtree(root, ignore_errors=True)
-        _ranks(SAVE_WORLD, _save_rank, src, layers)
+        _ranks(SAVE_WORLD, _save_rank if source == "torchtitan" else _save_hf_rank, src, layers)
         _hf_config(layers).save_pretrained(config)
     return src, config, layers
 
 
 # ---- the routes --------------------------------------------------------------------------------
 
-def _ours_rank(rank: int, world: int, src: str, out: str, config: str) -> dict:
+def _ours_rank(rank: int, world: int, src: str, out: str, config: str, max_shard_size: str) -> dict:
+    import torch.distributed as dist
+
     from nemo_moe_export.convert.engine import convert_checkpoint
 
     result = {}
+    dist.barrier()  # every rank imported: the time is the conversion's, not the slowest import's
 
     def run() -> None:
-        result["convert"] = convert_checkpoint(src, out, config=config, dtype="bfloat16", progress_s=None).__dict__
+        result["convert"] = convert_checkpoint(src, out, config=config, dtype="bfloat16", progress_s=None,
+                                               max_shard_size=max_shard_size).__dict__
 
     measured = _measured(run)
-    return {**measured, "rank_bytes_read": result["convert"]["rank_bytes_read"],
-            "rank_bytes_written": result["convert"]["rank_bytes_written"],
-            "source_bytes": result["convert"]["source_bytes"], "checkpoint_bytes": result["convert"]["checkpoint_bytes"]}
+    done = result["convert"]
+    return {**measured, **{k: done[k] for k in ("rank_bytes_read", "rank_bytes_written", "source_bytes",
+                                                "checkpoint_bytes", "step_seconds", "io")}}
 
 
-def _titan_whole(src: str, out: str, layers: int, assets: str) -> dict:
-    """torchtitan's convert_to_hf.py, as the wheel's parts allow (the script is not in the wheel)."""
+def _adapter(layers: int, assets: str, source: str):
+    """(the state dict to load into, to_hf, the HF file of each key): torchtitan's model and adapter,
+    or, for the HF-keyed checkpoint, empty tensors from the metadata and no renaming."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    mapping = json.load(open(os.path.join(assets, "model.safetensors.index.json")))["weight_map"]
+    fqn_to_index = {k: int(v.split("-")[1]) for k, v in mapping.items()}
+    if source == "torchtitan":
+        from torchtitan.components.checkpointer.base import ModelWrapper
+        from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+
+        config = _model_config(layers)
+        adapter = Qwen3StateDictAdapter(config, assets)
+        return (lambda src: ModelWrapper(config.build())._get_state_dict()), adapter.to_hf, fqn_to_index
+
+    def empty(src: str) -> dict:
+        metadata = FileSystemReader(src).read_metadata()
+        return {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
+
+    return empty, (lambda state: state), fqn_to_index
+
+
+def _whole(src: str, out: str, layers: int, assets: str, source: str) -> dict:
+    """torchtitan's convert_to_hf.py, as the wheel's parts allow (the script is not in the wheel):
+    the whole state dict loaded in one process, ``to_hf``, cast, DCP's HF writer with consolidation."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
-    from torchtitan.components.checkpointer.base import ModelWrapper
-    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
     def run() -> None:
         with torch.inference_mode():
-            config = _model_config(layers)
-            with torch.device("cpu"):
-                model = ModelWrapper(config.build())
-            adapter = Qwen3StateDictAdapter(config, assets)
-            state_dict = model._get_state_dict()
-            dcp.load(state_dict, checkpoint_id=src)
-            hf = {k: v.to(torch.bfloat16) for k, v in adapter.to_hf(state_dict).items()}
+            template, to_hf, fqn_to_index = _adapter(layers, assets, source)
+            state_dict = template(src)
+            dcp.load(state_dict, checkpoint_id=src, no_dist=True)
+            hf = {k: v.to(torch.bfloat16) for k, v in to_hf(state_dict).items()}
             dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
-                path=out, save_distributed=True, fqn_to_index_mapping=adapter.fqn_to_index_mapping,
+                path=out, save_distributed=True, fqn_to_index_mapping=fqn_to_index,
                 enable_consolidation=True, thread_count_consolidation=5), no_dist=True)
 
     return _measured(run)
 
 
-def _titan_per_key(src: str, out: str, layers: int, assets: str) -> dict:
+def _per_key(src: str, out: str, layers: int, assets: str, source: str) -> dict:
     """torchtitan's convert_to_hf_incremental.py: one dcp.load per key, files written when whole."""
-    import pickle
     from collections import defaultdict
 
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
-    from torchtitan.models.qwen3 import Qwen3StateDictAdapter
+    from torch.distributed.checkpoint import FileSystemReader
 
     def run() -> None:
         with torch.inference_mode():
-            adapter = Qwen3StateDictAdapter(_model_config(layers), assets)
-            with open(os.path.join(src, ".metadata"), "rb") as f:
-                metadata = pickle.load(f)  # noqa: S301 - our own benchmark's file, as the script reads it
+            _, to_hf, _ = _adapter(layers, assets, source)
+            metadata = FileSystemReader(src).read_metadata()
             weight_map = json.load(open(os.path.join(assets, "model.safetensors.index.json")))["weight_map"]
             files = defaultdict(list)
             for key, name in weight_map.items():
@@ -224,7 +279,7 @@ def _titan_per_key(src: str, out: str, layers: int, assets: str) -> dict:
             for key, meta in sorted(metadata.state_dict_metadata.items()):
                 one = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
                 dcp.load(one, checkpoint_id=src, no_dist=True)
-                held.update({k: v.to(torch.bfloat16) for k, v in adapter.to_hf(one).items()})
+                held.update({k: v.to(torch.bfloat16) for k, v in to_hf(one).items()})
                 for name in [n for n, keys in files.items() if all(k in held for k in keys)]:
                     save_file({k: held.pop(k).contiguous() for k in files.pop(name)}, os.path.join(out, name))
 
@@ -289,43 +344,48 @@ def _summary(route: str, ranks: list[dict], wall: float, out: str) -> dict:
                 bytes_written=sum(r["written"] for r in ranks), output_bytes=on_disk,
                 peak_rss_mib_per_rank=[r["peak_rss_mib"] for r in ranks],
                 baseline_rss_mib_per_rank=[r["baseline_rss_mib"] for r in ranks],
-                **{k: ranks[0][k] for k in ("source_bytes", "checkpoint_bytes") if k in ranks[0]})
+                **{k: ranks[0][k] for k in ("source_bytes", "checkpoint_bytes") if k in ranks[0]},
+                **({"slowest_rank_steps": max(ranks, key=lambda r: r["seconds"])["step_seconds"],
+                    "read_seconds_per_rank": [r["io"].get("read_seconds") for r in ranks]} if "io" in ranks[0] else {}))
 
 
 def _child(route: str, args: dict) -> None:
     if route == "ours":
-        ranks = _ranks(args["world"], _ours_rank, args["src"], args["out"], args["config"])
-    elif route == "titan_whole":
-        ranks = [_titan_whole(args["src"], args["out"], args["layers"], args["assets"])]
-    elif route == "titan_per_key":
-        ranks = [_titan_per_key(args["src"], args["out"], args["layers"], args["assets"])]
+        ranks = _ranks(args["world"], _ours_rank, args["src"], args["out"], args["config"], args["max_shard_size"])
+    elif route == "whole":
+        ranks = [_whole(args["src"], args["out"], args["layers"], args["assets"], args["source"])]
+    elif route == "per_key":
+        ranks = [_per_key(args["src"], args["out"], args["layers"], args["assets"], args["source"])]
     else:
         ranks = [_disk(args["src"], args["out"], args["write_bytes"])]
     print(json.dumps(ranks))
 
 
-def run_size(work: str, size_gb: float, worlds: list[int], routes: list[str]) -> dict:
-    src, config, layers = make_checkpoint(work, size_gb)
+def run_size(work: str, size_gb: float, worlds: list[int], routes: list[str], source: str,
+             max_shard_size: str) -> dict:
+    src, config, layers = make_checkpoint(work, size_gb, source)
     source_bytes = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
     rows, assets = [], os.path.join(work, "ours_1")
     for world in worlds:  # ours first: its index.json is the file layout the per-key route needs
         out = os.path.join(work, f"ours_{world}")
-        rows.append(_in_child("ours", dict(world=world, src=src, out=out, config=config)))
+        rows.append(_in_child("ours", dict(world=world, src=src, out=out, config=config,
+                                           max_shard_size=max_shard_size)))
         if world != worlds[0]:
             shutil.rmtree(out, ignore_errors=True)
     assets = os.path.join(work, f"ours_{worlds[0]}")
     written = rows[0].get("checkpoint_bytes", 0)
     for route in routes:
-        args = dict(src=src, out=os.path.join(work, route), layers=layers, assets=assets, write_bytes=written)
+        args = dict(src=src, out=os.path.join(work, route), layers=layers, assets=assets, write_bytes=written,
+                    source=source)
         rows.append(_in_child(route, args))
         shutil.rmtree(args["out"], ignore_errors=True)
     shutil.rmtree(assets, ignore_errors=True)
-    return dict(size_gb=size_gb, layers=layers, checkpoint_dir_bytes=source_bytes, routes=_ratios(rows))
+    return dict(size_gb=size_gb, source=source, layers=layers, max_shard_size=max_shard_size, checkpoint_dir_bytes=source_bytes, routes=_ratios(rows))
 
 
 def _ratios(rows: list[dict]) -> list[dict]:
     """Each route's speed-up against the fastest alternative, and ours against the disk's time."""
-    others = [r["seconds"] for r in rows if r["route"] in ("titan_whole", "titan_per_key") and "seconds" in r]
+    others = [r["seconds"] for r in rows if r["route"] in ("whole", "per_key") and "seconds" in r]
     disk = next((r["seconds"] for r in rows if r["route"] == "disk" and "seconds" in r), None)
     for row in rows:
         if row["route"] == "ours" and "seconds" in row:
@@ -340,8 +400,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gb", default="1", help="checkpoint sizes, e.g. 1,5")
     parser.add_argument("--ranks", default="1,2,4", help="our rank counts")
-    parser.add_argument("--routes", default="titan_whole,titan_per_key,disk")
+    parser.add_argument("--routes", default="whole,per_key,disk")
+    parser.add_argument("--source", choices=("auto", "torchtitan", "hf"), default="auto",
+                        help="torchtitan's own model (auto: where torchtitan imports) or the HF-keyed checkpoint")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "convert_bench"))
+    parser.add_argument("--max-shard-size", default="5GB", help="HF file size (every route writes our layout)")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -350,7 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.work, exist_ok=True)
     worlds = [int(w) for w in args.ranks.split(",")]
     routes = [r for r in args.routes.split(",") if r]
-    report = dict(cpus=os.cpu_count(), sizes=[run_size(args.work, float(s), worlds, routes)
+    source = args.source if args.source != "auto" else "torchtitan" if torchtitan_importable() else "hf"
+    report = dict(cpus=os.cpu_count(), sizes=[run_size(args.work, float(s), worlds, routes, source, args.max_shard_size)
                                               for s in args.size_gb.split(",")])
     emit(report, args.out)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 
 import pytest
@@ -325,3 +326,28 @@ def test_the_command_line_needs_no_config_for_a_megatron_lm_checkpoint(megatron_
     assert sorted(got) == sorted(expected)
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
     assert _config_json(out) == _config_json(export_dir(megatron_root, layout, family, "bfloat16"))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_plan_convert_predicts_the_conversions_tensors_files_and_bytes(family, megatron_root, converted):
+    """``plan --convert`` (planner/convert.py), from the HF config alone, against the conversion on 3
+    ranks (bf16): the same tensors (DeepSeek-V3's MTP layer included), files and bytes written; the
+    bytes read within what megatron stores differently (the padded vocabulary, the MTP head stored
+    once as the output layer), and one share per rank within a box of the mean."""
+    from nemo_moe_export.planner.convert import plan_conversion
+
+    out, results = converted
+    layout, path = "pp2_ep2", os.path.join(out, f"pp2_ep2-{family}-3")
+    index, table = _table(megatron_root, layout, family)
+    stored = {k: t for k, t in index.tensors.items() if not table.skipped(k)}
+    source_dtype = next(iter(stored.values())).dtype
+    report = plan_conversion(AutoConfig.from_pretrained(export_dir(megatron_root, layout, family)), 3,
+                             source_dtype=source_dtype, dtype="bfloat16")
+    written = _tensors(path)
+    assert report["tensors"] == len(written)
+    assert report["files"] == len(glob.glob(os.path.join(path, "*.safetensors")))
+    assert report["bytes_written"] == results[0][(layout, family, 3)].checkpoint_bytes
+    stored_bytes = sum(math.prod(t.shape) * t.dtype.itemsize for t in stored.values())  # tensor bytes, not archives
+    assert abs(report["bytes_read"] - stored_bytes) <= 0.2 * stored_bytes, (report["bytes_read"], stored_bytes)
+    largest = max(math.prod(t.shape) for t in written.values()) * source_dtype.itemsize
+    assert report["max_rank_bytes_read"] <= report["bytes_read"] / 3 + largest

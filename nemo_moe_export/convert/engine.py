@@ -46,7 +46,7 @@ from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export
 from nemo_moe_export.export.writer import WriteStats
 from nemo_moe_export.parallel import Coordinator
 
-__all__ = ["ConvertResult", "TOKENIZER_FILES", "convert_checkpoint"]
+__all__ = ["ConvertResult", "TOKENIZER_FILES", "conversion_plan", "convert_checkpoint"]
 
 # The tokenizer files copied from a tokenizer directory (those transformers' tokenizers write).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -211,11 +211,17 @@ def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer:
     check_shapes(metadata, hf_config)
     chunks = model_chunks(index, table.skipped)
     check_files(index, chunks)
-    float32 = float32_keys(fp32_patterns(options.torch_dtype, hf_config), {k: k for k in metadata})
-    plan = plan_export(metadata, dtype=options.torch_dtype, keep_dtype=options.keep_dtype,
-                       max_shard_size=options.max_shard_bytes, keep_float32=float32)
+    plan = conversion_plan(metadata, hf_config, options)
     work = assign_work(chunks, max(coordinator.world_size, 1))[coordinator.rank]
     return dict(target=target, config=hf_config, index=index, table=table, plan=plan, work=work)
+
+
+def conversion_plan(metadata: dict[str, Any], hf_config: Any, options: ExportOptions) -> ExportPlan:
+    """The HF checkpoint's layout for ``metadata`` (the table's HF keys): the export's plan, cast as
+    the export casts (what transformers keeps float32 for ``hf_config`` stays float32)."""
+    float32 = float32_keys(fp32_patterns(options.torch_dtype, hf_config), {k: k for k in metadata})
+    return plan_export(metadata, dtype=options.torch_dtype, keep_dtype=options.keep_dtype,
+                       max_shard_size=options.max_shard_bytes, keep_float32=float32)
 
 
 def _meta_pieces(table: CheckpointTable, work: list[StoredChunk], index: CheckpointIndex) -> Iterator[Any]:

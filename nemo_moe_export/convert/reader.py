@@ -65,8 +65,10 @@ def _runs(chunks: list[StoredChunk], limit: int) -> Iterator[list[StoredChunk]]:
         yield run
 
 
-def _pread(fd: int, length: int, offset: int, name: str) -> bytearray:
-    buffer = bytearray(length)
+def _pread(fd: int, length: int, offset: int, name: str):
+    """``length`` bytes at ``offset``, into a buffer that is not zero-filled first (every byte of it
+    is read over: a ``bytearray`` would write the whole buffer once more before the read)."""
+    buffer = torch.empty(length, dtype=torch.uint8).numpy()
     view, done = memoryview(buffer), 0
     while done < length:
         n = os.preadv(fd, [view[done:]], offset + done)

@@ -10,7 +10,8 @@ checkpoint of ``hf_config``'s model holds (docs/design.md#checkpoint-conversion)
   sit beside them and are never read). Each tensor is taken as one stored box: a checkpoint's
   boxes are smaller (an expert, a TP shard), which only makes the shares more even.
 * **Who reads it.** ``convert/assign.assign_work``, the conversion's own assignment by source bytes.
-* **What is written.** ``export/plan.plan_export`` of the same keys in the export ``dtype``.
+* **What is written.** ``convert/engine.conversion_plan`` of the same keys in the export ``dtype``
+  (the conversion's own plan: what transformers keeps float32 stays float32).
 * **Time.** Ranks sit on nodes in order (``rank // ranks_per_node``). A rank reads its boxes, then
   writes their pieces, run by run, so a node's time is its ranks' bytes read at ``read_bandwidth``
   plus their bytes written at ``write_bandwidth`` (each a node's total, however many of its ranks
@@ -32,7 +33,9 @@ from nemo_moe_export.adapters import TensorMeta
 from nemo_moe_export.convert.assign import assign_work
 from nemo_moe_export.convert.checks import expected_metadata
 from nemo_moe_export.convert.index import StoredChunk
-from nemo_moe_export.export.plan import natural_key, plan_export
+from nemo_moe_export.convert.engine import conversion_plan
+from nemo_moe_export.export.options import ExportOptions
+from nemo_moe_export.export.plan import natural_key
 from nemo_moe_export.planner.report import format_bytes
 
 __all__ = ["ConversionModel", "format_conversion", "plan_conversion", "with_mtp_layers"]
@@ -85,7 +88,7 @@ def plan_conversion(hf_config: Any, world: int, model: ConversionModel | None = 
     """What ``world`` ranks read and write converting a checkpoint of ``hf_config``'s model, and how long."""
     model = model or ConversionModel()
     metadata = with_mtp_layers(expected_metadata(hf_config), hf_config)
-    plan = plan_export(metadata, dtype=dtype)
+    plan = conversion_plan(metadata, hf_config, ExportOptions(dtype=dtype))
     work = assign_work(_source_chunks(metadata, source_dtype), world)
     read = [sum(c.length for c in chunks) for chunks in work]
     written = [sum(plan.tensors[c.key].nbytes for c in chunks) for chunks in work]
