@@ -47,32 +47,35 @@ def _free_port() -> int:
 
 
 class Case:
-    """One recipe run with one fault: per rank, its output, exit status and seconds from the fault to its end."""
+    """One recipe run with one fault: per rank, its output, exit status and seconds from the fault to its end.
 
-    def __init__(self, tmp: Path, fault: dict, overrides: list[str], *, torchrun: bool) -> None:
+    ``launcher``: "plain" (4 plain processes, the way srun starts them), "agent" (torchrun's own
+    elastic agent: ``tests/fault_rank.py --agent``) or "torchrun" (the ``torchrun`` command line)."""
+
+    def __init__(self, tmp: Path, fault: dict, overrides: list[str], *, launcher: str) -> None:
         self.record = tmp / "fault_at"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "NME_FAULT": json.dumps({"rank": FAULTY, **fault, "record": str(self.record)})}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         args = [f"run_dir={tmp / 'run'}", *QUICK, *overrides]
         started = time.time()
-        if torchrun:
+        if launcher == "torchrun":
             self.run_torchrun(env, args, tmp)
         else:
-            self.run_plain(env, args, tmp)
+            self.run_forked(env, args, tmp, launcher)
         self.seconds = time.time() - started
         self.fault_at = float(self.record.read_text()) if self.record.exists() else None
 
-    def run_plain(self, env: dict, args: list[str], tmp: Path) -> None:
+    def run_forked(self, env: dict, args: list[str], tmp: Path, launcher: str) -> None:
         env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-        launcher = subprocess.Popen([sys.executable, str(RANK_SCRIPT), "--plain", str(WORLD), str(tmp), *args], env=env,
-                                    start_new_session=True)
+        cmd = [sys.executable, str(RANK_SCRIPT), f"--{launcher}", str(WORLD), str(tmp), *args]
+        started = subprocess.Popen(cmd, env=env, start_new_session=True)
         try:
-            launcher.wait(timeout=300)
+            started.wait(timeout=300)
         finally:
-            if launcher.poll() is None:  # the session this test started: the launcher and its ranks
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
+            if started.poll() is None:  # the session this test started: the launcher and its ranks
+                os.killpg(started.pid, signal.SIGKILL)
+                started.wait()
         ended = json.loads((tmp / "ended.json").read_text())
         self.ended = [ended[str(r)][0] for r in range(WORLD)]
         self.status = [ended[str(r)][1] for r in range(WORLD)]
@@ -118,9 +121,12 @@ def _named_by(case: Case, ranks: tuple[int, ...], step: str, says: str) -> None:
     for rank in ranks:
         out = case.out[rank]
         assert case.status[rank] != 0, (rank, out[-3000:])
-        named = [line for line in out.splitlines()
-                 if (f"ranks [{FAULTY}]" in line or f"rank {FAULTY}:" in line) and step in line and says in line]
-        assert named, f"rank {rank} does not name rank {FAULTY}, {step!r} and {says!r}:\n{out[-4000:]}"
+        assert _names(out, step, says), f"rank {rank} does not name rank {FAULTY}, {step!r} and {says!r}:\n{out[-4000:]}"
+
+
+def _names(out: str, step: str, says: str) -> bool:
+    return any((f"ranks [{FAULTY}]" in line or f"rank {FAULTY}:" in line) and step in line and says in line
+               for line in out.splitlines())
 
 
 def _within_bound(case: Case, name: str) -> None:
@@ -130,14 +136,79 @@ def _within_bound(case: Case, name: str) -> None:
     assert not late, f"ranks ended later than {BOUND_S} s after the fault: {late}"
 
 
+def _rerun_verifies(tmp: Path, overrides: list[str]) -> None:
+    """The same recipe again, without a fault (the same pre-imported launcher), replacing the target:
+    it passes, leaves no partial directory, and the published checkpoint verifies."""
+    again = tmp / "again"
+    again.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "NME_FAULT": json.dumps({"rank": -1, "record": str(again / "none")})}
+    cmd = [sys.executable, str(RANK_SCRIPT), "--plain", str(WORLD), str(again), f"run_dir={tmp / 'run'}", *QUICK,
+           *overrides, "export.overwrite=replace"]
+    subprocess.run(cmd, env=env, timeout=300, check=True)
+    ended = json.loads((again / "ended.json").read_text())
+    assert all(status == 0 for _, status in ended.values()), [(again / f"rank{r}.out").read_text()[-3000:]
+                                                               for r in range(WORLD)]
+    run_dir = tmp / "run"
+    assert not [n for n in os.listdir(run_dir) if "partial" in n], os.listdir(run_dir)
+    assert verify_checkpoint(str(run_dir / "hf")).ok
+
+
 MMLU = ["recipe=deepseek_v3_tiny", "stages=[train,mmlu]"]
+EXPORT = ["recipe=deepseek_v3_tiny", "mmlu.enabled=false", "stages=[train,export,verify]"]
+TRAIN = ["recipe=deepseek_v3_tiny", "mmlu.enabled=false", "stages=[train]"]
+PHASES = {"mmlu": MMLU, "export": EXPORT, "train": TRAIN}
+# What a survivor's error says, by phase and kind: the step, and what it says of the faulty rank.
+STEP = {("mmlu", "stall"): "mmlu step '1 of 1'", ("mmlu", "raise"): "mmlu step 1 of 1",
+        ("export", "stall"): "export step 'write'", ("export", "raise"): "export step 'write'",
+        ("export", "kill"): "export step 'write'",
+        ("train", "stall"): "train step '1 of 1'", ("train", "raise"): "train step '1 of 1'"}
+SAYS = {"stall": f"ranks [{FAULTY}] sent no report", "kill": f"ranks [{FAULTY}] sent no report",
+        "raise": f"RuntimeError: injected failure on rank {FAULTY}"}
+# The cases, (phase, kind, parallel, launcher); the matrix's other cases are the tests below this one.
+MATRIX = [
+    ("mmlu", "stall", "pp_ep", "plain"), ("mmlu", "stall", "pp", "agent"),
+    ("mmlu", "raise", "pp", "plain"), ("mmlu", "raise", "pp", "agent"), ("mmlu", "raise", "pp_ep", "agent"),
+    ("export", "stall", "pp", "plain"), ("export", "stall", "pp_ep", "plain"),
+    ("export", "stall", "pp", "agent"), ("export", "stall", "pp_ep", "agent"),
+    ("export", "raise", "pp", "plain"), ("export", "raise", "pp", "agent"), ("export", "raise", "pp_ep", "agent"),
+    ("export", "kill", "pp", "plain"),
+    ("train", "stall", "pp", "plain"), ("train", "raise", "pp", "plain"),
+]
+
+
+@pytest.mark.parametrize("phase,kind,parallel,launcher", MATRIX, ids=["-".join(c) for c in MATRIX])
+def test_a_fault_is_named_by_every_survivor_and_ends_every_rank(phase, kind, parallel, launcher, tmp_path):
+    """Plain processes: every survivor names the rank and the step (and carries its exception when
+    it raised); a stalled rank is ended by its watchdog. Under the agent, which stops every rank
+    once one ended, the first to end names it. A failed export publishes nothing; the re-run verifies."""
+    overrides = [*PHASES[phase], f"parallel={parallel}"]
+    case = Case(tmp_path, {"kind": kind, "where": phase, "call": 1 if phase == "train" else 2}, overrides,
+                launcher=launcher)
+    _within_bound(case, f"{kind} in {phase}, {parallel}, {launcher}")
+    step, says = STEP[phase, kind], SAYS[kind]
+    if launcher == "agent":
+        assert any(_names(out, step, says) for out in case.out), "\n".join(out[-3000:] for out in case.out)
+    else:
+        survivors = tuple(r for r in range(WORLD) if r != FAULTY or kind == "raise")
+        _named_by(case, survivors, step, says)
+        if kind == "stall":
+            assert f"rank {FAULTY} ended by its watchdog" in case.out[FAULTY], case.out[FAULTY][-3000:]
+        if kind == "kill":
+            assert case.status[FAULTY] == -signal.SIGKILL
+    if phase == "export":
+        run_dir = tmp_path / "run"
+        assert not (run_dir / "hf").exists()
+        if launcher == "plain":
+            _rerun_verifies(tmp_path, overrides)
 
 
 @pytest.mark.parametrize("parallel,torchrun", [("pp", False), ("pp_ep", True)], ids=["pp-plain", "pp_ep-torchrun"])
 def test_a_rank_stalled_in_an_mmlu_forward_is_named_by_every_survivor(parallel, torchrun, tmp_path):
     """Its FSDP (or EP) peer waits in an all-gather (all-to-all), stage 1 in a receive: each gives up
     at parallel.timeout_s, and the coordinator, spanning the pipeline, names the rank that sent no report."""
-    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, [*MMLU, f"parallel={parallel}"], torchrun=torchrun)
+    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, [*MMLU, f"parallel={parallel}"],
+                launcher="torchrun" if torchrun else "plain")
     _within_bound(case, f"stall, {parallel}, {'torchrun' if torchrun else 'plain processes'}")
     if torchrun:  # the agent ends the ranks once one fails: at least one survivor's report is printed
         said = [line for line in case.out[0].splitlines() if f"ranks [{FAULTY}] sent no report" in line]
@@ -151,15 +222,15 @@ def test_a_rank_stalled_in_an_mmlu_forward_is_named_by_every_survivor(parallel, 
 def test_a_rank_raising_in_an_mmlu_forward_is_carried_by_every_survivor(tmp_path):
     """Plain processes: rank 0, the store's host, is released first (its EP peer's process ended) and
     stays until rank 2, blocked in a receive from it, has read rank 1's report."""
-    case = Case(tmp_path, {"kind": "raise", "where": "mmlu"}, [*MMLU, "parallel=pp_ep"], torchrun=False)
+    case = Case(tmp_path, {"kind": "raise", "where": "mmlu"}, [*MMLU, "parallel=pp_ep"], launcher="plain")
     _within_bound(case, "raise, pp_ep, plain processes")
     _named_by(case, tuple(range(WORLD)), "mmlu step 1 of 1", f"RuntimeError: injected failure on rank {FAULTY}")
     assert not any("rendezvous store is unreachable" in out for out in case.out), case.out
 
 
 def test_a_failed_export_publishes_nothing_and_the_rerun_verifies(tmp_path):
-    export = ["recipe=deepseek_v3_tiny", "parallel=pp_ep", "mmlu.enabled=false", "stages=[train,export,verify]"]
-    case = Case(tmp_path, {"kind": "raise", "where": "export"}, export, torchrun=False)
+    export = [*EXPORT, "parallel=pp_ep"]
+    case = Case(tmp_path, {"kind": "raise", "where": "export"}, export, launcher="plain")
     _within_bound(case, "raise in the export's write, pp_ep, plain processes")
     _named_by(case, tuple(range(WORLD)), "step 'write'", f"RuntimeError: injected failure on rank {FAULTY}")
     run_dir = tmp_path / "run"
@@ -171,7 +242,7 @@ def test_a_failed_export_publishes_nothing_and_the_rerun_verifies(tmp_path):
 def test_a_rank_stalled_in_a_megatron_core_stage_is_named_by_every_survivor(tmp_path):
     """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), plain processes."""
     overrides = ["recipe=megatron_deepseek_v3_tiny", "parallel=pp_ep", "stages=[train,mmlu]"]
-    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, overrides, torchrun=False)
+    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, overrides, launcher="plain")
     _within_bound(case, "stall, megatron-core pp_ep, plain processes")
     _named_by(case, (0, 2, 3), "step '1 of 1'", f"ranks [{FAULTY}] sent no report")
 
