@@ -22,12 +22,12 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from nemo_moe_export.export import verify_checkpoint
-from test_recipe import run_cli
 
 WORLD = 4
 FAULTY = 1  # stage 0, beside rank 0 (the store's host when launched as plain processes)
@@ -154,9 +154,9 @@ def _rerun_verifies(tmp: Path, overrides: list[str]) -> None:
     assert verify_checkpoint(str(run_dir / "hf")).ok
 
 
-MMLU = ["recipe=deepseek_v3_tiny", "stages=[train,mmlu]"]
-EXPORT = ["recipe=deepseek_v3_tiny", "mmlu.enabled=false", "stages=[train,export,verify]"]
-TRAIN = ["recipe=deepseek_v3_tiny", "mmlu.enabled=false", "stages=[train]"]
+MMLU = ["stages=[train,mmlu]"]
+EXPORT = ["mmlu.enabled=false", "stages=[train,export,verify]"]
+TRAIN = ["mmlu.enabled=false", "stages=[train]"]
 PHASES = {"mmlu": MMLU, "export": EXPORT, "train": TRAIN}
 # What a survivor's error says, by phase and kind: the step, and what it says of the faulty rank.
 STEP = {("mmlu", "stall"): "mmlu step '1 of 1'", ("mmlu", "raise"): "mmlu step 1 of 1",
@@ -165,86 +165,92 @@ STEP = {("mmlu", "stall"): "mmlu step '1 of 1'", ("mmlu", "raise"): "mmlu step 1
         ("train", "stall"): "train step '1 of 1'", ("train", "raise"): "train step '1 of 1'"}
 SAYS = {"stall": f"ranks [{FAULTY}] sent no report", "kill": f"ranks [{FAULTY}] sent no report",
         "raise": f"RuntimeError: injected failure on rank {FAULTY}"}
-# The cases, (phase, kind, parallel, launcher); the matrix's other cases are the tests below this one.
+# Every case: (phase, kind, parallel, launcher); "plain" is 4 plain processes, "agent" torchrun's
+# elastic agent forked from a pre-imported launcher, "torchrun" the torchrun command line.
 MATRIX = [
-    ("mmlu", "stall", "pp_ep", "plain"), ("mmlu", "stall", "pp", "agent"),
-    ("mmlu", "raise", "pp", "plain"), ("mmlu", "raise", "pp", "agent"), ("mmlu", "raise", "pp_ep", "agent"),
+    ("mmlu", "stall", "pp", "plain"), ("mmlu", "stall", "pp_ep", "plain"),
+    ("mmlu", "stall", "pp", "agent"), ("mmlu", "stall", "pp_ep", "torchrun"),
+    ("mmlu", "raise", "pp", "plain"), ("mmlu", "raise", "pp_ep", "plain"),
+    ("mmlu", "raise", "pp", "agent"), ("mmlu", "raise", "pp_ep", "agent"),
     ("export", "stall", "pp", "plain"), ("export", "stall", "pp_ep", "plain"),
     ("export", "stall", "pp", "agent"), ("export", "stall", "pp_ep", "agent"),
-    ("export", "raise", "pp", "plain"), ("export", "raise", "pp", "agent"), ("export", "raise", "pp_ep", "agent"),
+    ("export", "raise", "pp", "plain"), ("export", "raise", "pp_ep", "plain"),
+    ("export", "raise", "pp", "agent"), ("export", "raise", "pp_ep", "agent"),
     ("export", "kill", "pp", "plain"),
     ("train", "stall", "pp", "plain"), ("train", "raise", "pp", "plain"),
 ]
+MEGATRON = ("mmlu", "stall", "pp_ep", "plain")  # also on a megatron-core PP2 x EP2 model
+JOBS = int(os.environ.get("NME_FAULT_JOBS", "2"))  # cases run at once: mostly they wait out timeouts
 
 
-@pytest.mark.parametrize("phase,kind,parallel,launcher", MATRIX, ids=["-".join(c) for c in MATRIX])
-def test_a_fault_is_named_by_every_survivor_and_ends_every_rank(phase, kind, parallel, launcher, tmp_path):
-    """Plain processes: every survivor names the rank and the step (and carries its exception when
-    it raised); a stalled rank is ended by its watchdog. Under the agent, which stops every rank
-    once one ended, the first to end names it. A failed export publishes nothing; the re-run verifies."""
-    overrides = [*PHASES[phase], f"parallel={parallel}"]
-    case = Case(tmp_path, {"kind": kind, "where": phase, "call": 1 if phase == "train" else 2}, overrides,
-                launcher=launcher)
-    _within_bound(case, f"{kind} in {phase}, {parallel}, {launcher}")
+def _ids(case: tuple) -> str:
+    return "-".join(case)
+
+
+def _launch(key: tuple, tmp: Path) -> Case:
+    """One case, and for a failed export under plain processes the re-run (``_rerun_verifies``)."""
+    phase, kind, parallel, launcher, recipe = key
+    overrides = [f"recipe={recipe}", *PHASES[phase], f"parallel={parallel}"]
+    fault = {"kind": kind, "where": phase, "call": 1 if phase == "train" else 2}
+    case = Case(tmp, fault, overrides, launcher=launcher)
+    case.rerun, case.published = None, (tmp / "run" / "hf").exists()
+    if phase == "export" and launcher == "plain":
+        try:
+            _rerun_verifies(tmp, overrides)
+        except BaseException as exc:  # reported by the case's test
+            case.rerun = exc
+    return case
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """Every case the session selected, started in the background ``JOBS`` at a time, in the tests'
+    order (each test waits for its own): by key, the future of its Case."""
+    keys = [(*item.callspec.params["case"], item.callspec.params["recipe"])
+            for item in request.session.items if getattr(item, "callspec", None) and "case" in item.callspec.params]
+    pool = ThreadPoolExecutor(max_workers=JOBS)
+    futures = {key: pool.submit(lambda k=key: _launch(k, tmp_path_factory.mktemp(_ids(k)))) for key in keys}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("recipe", ["deepseek_v3_tiny"])
+@pytest.mark.parametrize("case", MATRIX, ids=[_ids(c) for c in MATRIX])
+def test_a_fault_is_named_by_every_survivor_and_ends_every_rank(case, recipe, launched):
+    _check(case, recipe, launched)
+
+
+@pytest.mark.parametrize("recipe", ["megatron_deepseek_v3_tiny"])
+@pytest.mark.parametrize("case", [MEGATRON], ids=[_ids(MEGATRON)])
+def test_a_fault_in_a_megatron_core_stage_is_named_by_every_survivor(case, recipe, launched):
+    """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), plain processes."""
+    _check(case, recipe, launched)
+
+
+def _check(case: tuple, recipe: str, launched: dict) -> None:
+    """Every rank ends within parallel.timeout_s + 60 s of the fault. Plain processes: every survivor
+    names the rank and the step (and carries its exception when it raised), also when rank 0, the
+    store's host, ends first; a stalled rank is ended by its watchdog. Under torchrun, which stops
+    every rank once one ended, a rank that ended by itself names it. A failed export publishes
+    nothing, and (plain processes) the re-run with export.overwrite=replace verifies."""
+    phase, kind, parallel, launcher = case
+    result = launched[(*case, recipe)].result()
+    _within_bound(result, f"{kind} in {phase}, {parallel}, {launcher}, {recipe}")
     step, says = STEP[phase, kind], SAYS[kind]
-    if launcher == "agent":
-        assert any(_names(out, step, says) for out in case.out), "\n".join(out[-3000:] for out in case.out)
+    if launcher != "plain":
+        assert any(_names(out, step, says) for out in result.out), "\n".join(out[-3000:] for out in result.out)
     else:
         survivors = tuple(r for r in range(WORLD) if r != FAULTY or kind == "raise")
-        _named_by(case, survivors, step, says)
+        _named_by(result, survivors, step, says)
+        assert not any("rendezvous store is unreachable" in out for out in result.out), result.out
         if kind == "stall":
-            assert f"rank {FAULTY} ended by its watchdog" in case.out[FAULTY], case.out[FAULTY][-3000:]
+            assert f"rank {FAULTY} ended by its watchdog" in result.out[FAULTY], result.out[FAULTY][-3000:]
         if kind == "kill":
-            assert case.status[FAULTY] == -signal.SIGKILL
+            assert result.status[FAULTY] == -signal.SIGKILL
     if phase == "export":
-        run_dir = tmp_path / "run"
-        assert not (run_dir / "hf").exists()
-        if launcher == "plain":
-            _rerun_verifies(tmp_path, overrides)
-
-
-@pytest.mark.parametrize("parallel,torchrun", [("pp", False), ("pp_ep", True)], ids=["pp-plain", "pp_ep-torchrun"])
-def test_a_rank_stalled_in_an_mmlu_forward_is_named_by_every_survivor(parallel, torchrun, tmp_path):
-    """Its FSDP (or EP) peer waits in an all-gather (all-to-all), stage 1 in a receive: each gives up
-    at parallel.timeout_s, and the coordinator, spanning the pipeline, names the rank that sent no report."""
-    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, [*MMLU, f"parallel={parallel}"],
-                launcher="torchrun" if torchrun else "plain")
-    _within_bound(case, f"stall, {parallel}, {'torchrun' if torchrun else 'plain processes'}")
-    if torchrun:  # the agent ends the ranks once one fails: at least one survivor's report is printed
-        said = [line for line in case.out[0].splitlines() if f"ranks [{FAULTY}] sent no report" in line]
-        assert said and all("did not reach the end of step '1 of 1'" in line for line in said), case.out[0][-4000:]
-        return
-    # every survivor, blocked in an FSDP all-gather (rank 0) or a pipeline receive (ranks 2, 3)
-    _named_by(case, (0, 2, 3), "step '1 of 1'", f"ranks [{FAULTY}] sent no report")
-    assert f"rank {FAULTY} ended by its watchdog" in case.out[FAULTY], case.out[FAULTY][-3000:]
-
-
-def test_a_rank_raising_in_an_mmlu_forward_is_carried_by_every_survivor(tmp_path):
-    """Plain processes: rank 0, the store's host, is released first (its EP peer's process ended) and
-    stays until rank 2, blocked in a receive from it, has read rank 1's report."""
-    case = Case(tmp_path, {"kind": "raise", "where": "mmlu"}, [*MMLU, "parallel=pp_ep"], launcher="plain")
-    _within_bound(case, "raise, pp_ep, plain processes")
-    _named_by(case, tuple(range(WORLD)), "mmlu step 1 of 1", f"RuntimeError: injected failure on rank {FAULTY}")
-    assert not any("rendezvous store is unreachable" in out for out in case.out), case.out
-
-
-def test_a_failed_export_publishes_nothing_and_the_rerun_verifies(tmp_path):
-    export = [*EXPORT, "parallel=pp_ep"]
-    case = Case(tmp_path, {"kind": "raise", "where": "export"}, export, launcher="plain")
-    _within_bound(case, "raise in the export's write, pp_ep, plain processes")
-    _named_by(case, tuple(range(WORLD)), "step 'write'", f"RuntimeError: injected failure on rank {FAULTY}")
-    run_dir = tmp_path / "run"
-    assert not (run_dir / "hf").exists() and not [n for n in os.listdir(run_dir) if "partial" in n]
-    run_cli([*export, f"run_dir={run_dir}", *QUICK, "export.overwrite=replace", "--nproc", str(WORLD)])
-    assert verify_checkpoint(str(run_dir / "hf")).ok
-
-
-def test_a_rank_stalled_in_a_megatron_core_stage_is_named_by_every_survivor(tmp_path):
-    """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), plain processes."""
-    overrides = ["recipe=megatron_deepseek_v3_tiny", "parallel=pp_ep", "stages=[train,mmlu]"]
-    case = Case(tmp_path, {"kind": "stall", "where": "mmlu"}, overrides, launcher="plain")
-    _within_bound(case, "stall, megatron-core pp_ep, plain processes")
-    _named_by(case, (0, 2, 3), "step '1 of 1'", f"ranks [{FAULTY}] sent no report")
+        assert not result.published
+        if result.rerun is not None:
+            raise result.rerun
 
 
 def test_the_evaluators_coordinator_joins_the_pipeline_peers():
