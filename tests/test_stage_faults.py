@@ -53,11 +53,12 @@ class Case:
     elastic agent: ``tests/fault_rank.py --agent``) or "torchrun" (the ``torchrun`` command line)."""
 
     def __init__(self, tmp: Path, fault: dict, overrides: list[str], *, launcher: str) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         self.record = tmp / "fault_at"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
                "NME_FAULT": json.dumps({"rank": FAULTY, **fault, "record": str(self.record)})}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        args = [f"run_dir={tmp / 'run'}", *QUICK, *overrides]
+        args = [f"run_dir={tmp / 'run'}", *QUICK, *overrides]  # a later run_dir= in overrides wins
         started = time.time()
         if launcher == "torchrun":
             self.run_torchrun(env, args, tmp)
@@ -137,8 +138,8 @@ def _within_bound(case: Case, name: str) -> None:
 
 
 def _rerun_verifies(tmp: Path, overrides: list[str]) -> None:
-    """The same recipe again, without a fault (the same pre-imported launcher), replacing the target:
-    it passes, leaves no partial directory, and the published checkpoint verifies."""
+    """The same recipe again in ``tmp / "run"``, without a fault (the same pre-imported launcher),
+    replacing the target: it passes, leaves no partial directory, and the published checkpoint verifies."""
     again = tmp / "again"
     again.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
@@ -187,29 +188,47 @@ def _ids(case: tuple) -> str:
     return "-".join(case)
 
 
-def _launch(key: tuple, tmp: Path) -> Case:
-    """One case, and for a failed export under plain processes the re-run (``_rerun_verifies``)."""
-    phase, kind, parallel, launcher, recipe = key
-    overrides = [f"recipe={recipe}", *PHASES[phase], f"parallel={parallel}"]
-    fault = {"kind": kind, "where": phase, "call": 1 if phase == "train" else 2}
-    case = Case(tmp, fault, overrides, launcher=launcher)
-    case.rerun, case.published = None, (tmp / "run" / "hf").exists()
-    if phase == "export" and launcher == "plain":
+def _chains(keys: list[tuple]) -> list[list[tuple]]:
+    """The cases in the order they run: one after another on one run_dir for the exports launched as
+    plain processes of one layout (then one re-run verifies for all of them), else each alone."""
+    chains: dict = {}
+    for key in keys:
+        phase, _, parallel, launcher, recipe = key
+        chains.setdefault((parallel, recipe) if (phase, launcher) == ("export", "plain") else key, []).append(key)
+    return list(chains.values())
+
+
+def _run_chain(keys: list[tuple], tmp: Path) -> dict:
+    """Each case of the chain (by key), on one run_dir: a failed export must publish nothing, and the
+    next run, replacing the target, cleans what it left; a chain of exports ends with the re-run."""
+    cases, overrides = {}, []
+    for n, key in enumerate(keys):
+        phase, kind, parallel, launcher, recipe = key
+        overrides = [f"recipe={recipe}", *PHASES[phase], f"parallel={parallel}", f"run_dir={tmp / 'run'}"]
+        fault = {"kind": kind, "where": phase, "call": 1 if phase == "train" else 2}
+        case = Case(tmp / str(n), fault, [*overrides, *(["export.overwrite=replace"] if n else [])], launcher=launcher)
+        case.rerun, case.published = None, (tmp / "run" / "hf").exists()
+        cases[key] = case
+    if (phase, launcher) == ("export", "plain"):
         try:
             _rerun_verifies(tmp, overrides)
-        except BaseException as exc:  # reported by the case's test
-            case.rerun = exc
-    return case
+        except BaseException as exc:  # reported by each case's test
+            for case in cases.values():
+                case.rerun = exc
+    return cases
 
 
 @pytest.fixture(scope="module")
 def launched(request, tmp_path_factory):
     """Every case the session selected, started in the background ``JOBS`` at a time, in the tests'
-    order (each test waits for its own): by key, the future of its Case."""
+    order (each test waits for its own): by key, the future of its chain's Cases (``_run_chain``)."""
     keys = [(*item.callspec.params["case"], item.callspec.params["recipe"])
             for item in request.session.items if getattr(item, "callspec", None) and "case" in item.callspec.params]
     pool = ThreadPoolExecutor(max_workers=JOBS)
-    futures = {key: pool.submit(lambda k=key: _launch(k, tmp_path_factory.mktemp(_ids(k)))) for key in keys}
+    futures = {}
+    for chain in _chains(keys):
+        future = pool.submit(lambda c=chain: _run_chain(c, tmp_path_factory.mktemp(_ids(c[0]))))
+        futures.update((key, future) for key in chain)
     yield futures
     pool.shutdown(wait=True, cancel_futures=True)
 
@@ -234,7 +253,7 @@ def _check(case: tuple, recipe: str, launched: dict) -> None:
     every rank once one ended, a rank that ended by itself names it. A failed export publishes
     nothing, and (plain processes) the re-run with export.overwrite=replace verifies."""
     phase, kind, parallel, launcher = case
-    result = launched[(*case, recipe)].result()
+    result = launched[(*case, recipe)].result()[(*case, recipe)]
     _within_bound(result, f"{kind} in {phase}, {parallel}, {launcher}, {recipe}")
     step, says = STEP[phase, kind], SAYS[kind]
     if launcher != "plain":
