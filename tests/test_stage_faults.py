@@ -195,7 +195,8 @@ def _chains(keys: list[tuple]) -> list[list[tuple]]:
     for key in keys:
         phase, _, parallel, launcher, recipe = key
         chains.setdefault((parallel, recipe) if (phase, launcher) == ("export", "plain") else key, []).append(key)
-    return list(chains.values())
+    # the longest first (a megatron-core model builds slowest, then the chains), so none runs alone at the end
+    return sorted(chains.values(), key=lambda chain: (chain[0][4] == "deepseek_v3_tiny", -len(chain)))
 
 
 def _run_chain(keys: list[tuple], tmp: Path) -> dict:
