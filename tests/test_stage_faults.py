@@ -1,16 +1,20 @@
 """A fault in one rank of a recipe on pipeline stages ends every rank, and every survivor names it
-(issue 42; docs/design.md#faults-and-how-each-is-reported).
+(issue 42; docs/design.md#faults-and-how-each-is-reported; the measured table: docs/faults.md).
 
 4 CPU ranks, stage 0 on ranks 0-1 and stage 1 on ranks 2-3 (``parallel=pp``: FSDP2 inside a stage;
 ``parallel=pp_ep``: EP2 inside a stage), one fault on rank 1 (stage 0; rank 0, its FSDP or EP peer,
 hosts the rendezvous store when launched as plain processes), injected by ``tests/fault_rank.py``:
-a stall (600 s of sleep) or a raise inside its first decoder layer during the MMLU evaluation, or a
-raise as the export's write step starts. Each case runs the recipe's own command line on real gloo
-ranks, as 4 plain processes (the way srun starts them: no torchrun agent ends the job, only our own
-timeouts) or under torchrun. What must hold: every rank ends within ``parallel.timeout_s`` + 60 s
+a stall (600 s of sleep) or a raise inside its first decoder layer, in training step 1 or during the
+MMLU evaluation, or a stall, a raise or SIGKILL as the export's write step starts. Each case runs
+the recipe's own command line on real gloo ranks, as 4 plain processes (the way srun starts them:
+no torchrun agent ends the job, only our own timeouts), under torchrun's elastic agent, or (one
+case) the torchrun command line. What must hold: every rank ends within ``parallel.timeout_s`` + 60 s
 of the fault; every survivor's error names the faulty rank and the step, and carries its exception
 when it raised; a failed export publishes nothing, and the re-run with ``export.overwrite=replace``
 verifies.
+
+The cases run in the background two at a time (most of a case is waiting out a timeout), in the
+order the longest first; each test waits for its own case and checks it.
 """
 
 from __future__ import annotations
