@@ -8,21 +8,29 @@ named in ``NME_FAULT`` stalls or raises where the fault says.
   imported the package (a rank then starts in a fraction of a second, not 9 s of imports on a busy
   machine). It only reaps them: ``OUT/rank<r>.out`` is rank r's output, ``OUT/ended.json`` when
   each ended (wall time) and its exit status.
+* ``python tests/fault_rank.py --agent N OUT ARGS...``: N ranks under torchrun's own elastic agent
+  (``torch.distributed.run``'s config for ``--standalone --nproc-per-node=N``: the agent hosts the
+  store and ends every rank once one failed), started with the ``fork`` method from this process
+  once it has imported the package; the same two outputs.
 
-``NME_FAULT`` is JSON: ``rank``; ``kind`` ("stall": sleep 600 s, "raise": a RuntimeError);
-``where`` ("mmlu": inside this rank's first decoder layer, at its ``call``-th forward of the
-evaluation at the end of training;
-"export": as the export's write step starts); ``record``: a file the fault's wall time is written to.
+``NME_FAULT`` is JSON: ``rank``; ``kind`` ("stall": sleep 600 s, "raise": a RuntimeError, "kill":
+SIGKILL of its own process); ``where`` ("mmlu": inside this rank's first decoder layer, at its
+``call``-th forward of the evaluation at the end of training; "train": the same, at its ``call``-th
+forward of training; "export": as the export's write step starts); ``record``: a file the fault's
+wall time is written to.
 """
 
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
+import signal
 import sys
 import time
 import traceback
+import uuid
 
 FAULT = json.loads(os.environ["NME_FAULT"])
 RANK = int(os.environ.get("RANK", "-1"))  # set in each forked rank (--plain) before the fault is injected
@@ -33,6 +41,8 @@ def _fault() -> None:
         f.write(repr(time.time()))
     if FAULT["kind"] == "stall":
         time.sleep(600)
+    if FAULT["kind"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     raise RuntimeError(f"injected failure on rank {RANK}")
 
 
@@ -52,7 +62,7 @@ def _inject_in_forward() -> None:
     seen = {"evaluating": False, "calls": 0}
 
     def hook(*_args):
-        if not seen["evaluating"]:  # a training forward: the fault is the evaluation's
+        if seen["evaluating"] != (FAULT["where"] == "mmlu"):  # a forward of the other phase
             return
         seen["calls"] += 1
         if seen["calls"] == FAULT.get("call", 2):
@@ -84,7 +94,7 @@ def _inject_in_export() -> None:
 
 def _inject() -> None:
     if RANK == FAULT["rank"]:
-        _inject_in_forward() if FAULT["where"] == "mmlu" else _inject_in_export()
+        _inject_in_export() if FAULT["where"] == "export" else _inject_in_forward()
 
 
 def _rank(rank: int, world: int, out: str, args: list[str]) -> None:
@@ -128,9 +138,57 @@ def _plain(world: int, out: str, args: list[str]) -> None:
         json.dump(ended, f)
 
 
+def _agent_rank(out: str, args: list[str]) -> None:
+    """A rank the agent forked: the recipe, then its end time (a rank the agent stops has none)."""
+    global RANK
+    RANK = int(os.environ["RANK"])
+    _inject()
+    from nemo_moe_export.cli import main
+
+    try:
+        status = main(args)
+    except BaseException:  # as a script under torchrun: the traceback on stderr, status 1
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with open(os.path.join(out, f"ended{RANK}"), "w") as f:
+        f.write(repr(time.time()))
+    sys.exit(status)
+
+
+def _agent(world: int, out: str, args: list[str]) -> None:
+    import nemo_moe_export.cli  # noqa: F401 - imported once, before the agent forks
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser
+
+    parsed = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={world}", "--start-method=fork",
+                                           "--redirects=3", f"--log-dir={out}/agent", "unused"])
+    # what torch.distributed.run.run does for --standalone before building the same config
+    parsed.rdzv_backend, parsed.rdzv_endpoint, parsed.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    config, _, _ = config_from_args(parsed)
+    status = 0
+    try:
+        elastic_launch(config, _agent_rank)(out, args)
+    except ChildFailedError:
+        status = 1
+    stopped = time.time()  # every rank had ended by now: the agent stops the rest once one failed
+    ended = {}
+    for rank in range(world):
+        own = os.path.join(out, f"ended{rank}")
+        ended[rank] = (float(open(own).read()) if os.path.exists(own) else stopped, status)
+        logs = glob.glob(os.path.join(out, "agent", "*", "attempt_0", str(rank), "std*.log"))
+        with open(os.path.join(out, f"rank{rank}.out"), "w") as f:
+            f.write("".join(open(log).read() for log in sorted(logs)))
+    with open(os.path.join(out, "ended.json"), "w") as f:
+        json.dump(ended, f)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--plain":
-        _plain(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    if sys.argv[1] in ("--plain", "--agent"):
+        launch = _plain if sys.argv[1] == "--plain" else _agent
+        launch(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
     else:
         from nemo_moe_export.cli import main
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,7 @@ from nemo_moe_export.config import BACKENDS, ModelConfig, ParallelConfig, Traine
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.callback import LOSS_HISTORY_KEY
 from nemo_moe_export.evaluate.data import load_mmlu
+from nemo_moe_export.evaluate.evaluator import phase_coordinator
 from nemo_moe_export.evaluate.prompts import build_prompt, select_fewshot
 from nemo_moe_export.evaluate.runner import wants_uniform_shapes
 from nemo_moe_export.expert_parallel import apply_expert_parallel
@@ -39,8 +42,8 @@ from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.job.checks import check_strategy
 from nemo_moe_export.job.pipelined import shard_pipelined
 from nemo_moe_export.megatron.recipe import build_recipe_model
-from nemo_moe_export.parallel import (ParallelLayout, bound_groups, discover_layout, dist_info, init_expert_parallel,
-                                      model_groups)
+from nemo_moe_export.parallel import (Coordinator, ParallelLayout, bound_groups, discover_layout, dist_info,
+                                      init_expert_parallel, model_groups)
 from nemo_moe_export.progress import Progress
 from nemo_moe_export.tiny_models import build_model
 
@@ -235,6 +238,20 @@ def _mean_over_ranks(loss: torch.Tensor) -> float:
     return float(value)
 
 
+@contextmanager
+def _reported(coordinator: Coordinator, step: str) -> Iterator[None]:
+    """A training step whose failure on a rank of a group is named by every rank of it: a rank that
+    raised reports its exception; a rank whose collective timed out or lost its peer (a stalled,
+    failed or dead rank) reports that it waited, and the ranks that sent no report are the culprits
+    (``Coordinator.leave``; docs/design.md#coordination-protocol). Alone, the error is raised as is."""
+    try:
+        yield
+    except Exception as exc:
+        if not coordinator.active:
+            raise
+        raise coordinator.leave(step, exc) from exc
+
+
 def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cfg: TrainerConfig, *,
           k_shot: int, hooks: Hook | None = None, ctx: RecipeContext | None = None,
           log: Any = print) -> TrainState:
@@ -262,17 +279,21 @@ def train(model: Any, layout: ParallelLayout, tokenizer: Any, data_root: str, cf
     state = TrainState()
     progress = Progress(cfg.max_steps, "train", enabled=cfg.progress, min_interval_s=2.0)  # on global rank 0
     start = time.perf_counter()
+    # Only read when a step fails: the ranks coupled by data or pipeline parallelism report there
+    # (through the store, nothing sent while all is well), so every survivor names the culprit.
+    coordinator = phase_coordinator(layout, name="train")
     model.train()
     for step in range(1, cfg.max_steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(cfg.batch_size)]
         ids, mask, labels = _padded_batch(batch, pad, uniform_width, device)
-        optimizer.zero_grad(set_to_none=True)
-        loss = _forward_backward(model, ids, mask, labels)
-        _sync_unsharded_grads(model, layout)
-        state.grad_norms.append(_clip_grad_norm(model, cfg.grad_clip, layout))
-        optimizer.step()
-        schedule.step()
-        value = _mean_over_ranks(loss)
+        with _reported(coordinator, f"{step} of {cfg.max_steps}"):
+            optimizer.zero_grad(set_to_none=True)
+            loss = _forward_backward(model, ids, mask, labels)
+            _sync_unsharded_grads(model, layout)
+            state.grad_norms.append(_clip_grad_norm(model, cfg.grad_clip, layout))
+            optimizer.step()
+            schedule.step()
+            value = _mean_over_ranks(loss)
         state.step, state.losses = step, state.losses + [value]
         progress.update(1, postfix=f"loss={value:.3f}")
         if step % cfg.log_every == 0 or step == cfg.max_steps:
