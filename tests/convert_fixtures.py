@@ -29,11 +29,12 @@ def torchtitan_path() -> str | None:
     return path if os.path.isdir(os.path.join(path, "torchtitan")) else None
 
 
-def torchtitan_checkpoints(out: str) -> str:
-    """Save the torchtitan checkpoints into ``out`` (one folder per family); returns ``out``."""
+def torchtitan_checkpoints(out: str, families: tuple[str, ...] = ()) -> str:
+    """Save the torchtitan checkpoints into ``out`` (one folder per family: ``families``, else the
+    fixture's default ones); returns ``out``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([torchtitan_path(), ROOT]), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "torchtitan_fixture.py"), out], env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "torchtitan_fixture.py"), out, *families],
+                          env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"torchtitan fixture failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return out

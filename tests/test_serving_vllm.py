@@ -10,7 +10,11 @@ bound is stated from the measured bf16-vs-fp32 gap of transformers on the same m
 Cases: Qwen3-MoE bf16 and fp32, DeepSeek-V3 (MLA at vLLM's CPU dims, kv_lora_rank 512, rope 64)
 bf16, fp32 and FP8 block (on AMX CPUs only: vLLM's CPU FP8 kernels refuse others), Qwen3-MoE
 exported from FSDP2 + EP shards on 4 ranks, DeepSeek-V3 exported from pipeline stages on 4 ranks,
-and a megatron-core Qwen3-MoE GPTModel exported from EP=2 on 4 ranks.
+and a megatron-core Qwen3-MoE GPTModel exported from EP=2 on 4 ranks. Converted checkpoints
+(docs/convert.md): that GPTModel's ``torch_dist`` checkpoint (megatron's ``dist_checkpointing``,
+saved by the same 4 ranks) converted on 3 ranks, and torchtitan's own Qwen3 MoE DCP checkpoint
+(``tests/torchtitan_fixture.py``, when torchtitan is installed) converted on one; each byte-equal to
+the in-job export of the same weights and served by vLLM as written.
 """
 
 from __future__ import annotations
@@ -57,8 +61,15 @@ LOCAL = {
     "deepseek_v3-fp32": ("deepseek_v3", None, "float32", None),
     "deepseek_v3-fp8": ("deepseek_v3", "bfloat16", "bfloat16", "fp8_block"),
 }
+MEGATRON_EXPORT = "qwen3_moe-megatron-ep2-bf16"
 DISTRIBUTED = {"qwen3_moe-fsdp2-ep-bf16": "bfloat16", "deepseek_v3-pipeline-fp32": "float32",
-               "qwen3_moe-megatron-ep2-bf16": "bfloat16"}
+               MEGATRON_EXPORT: "bfloat16"}
+MEGATRON_TORCH_DIST = "qwen3_moe-megatron-ep2-torch_dist"  # the same weights' training checkpoint
+CONVERT_RANKS = 3  # not the 4 that saved it
+TORCHTITAN = "qwen3_moe_serving"  # tests/torchtitan_fixture.py's Qwen3 MoE at vLLM's CPU dims
+# name: the served in-job export of the same weights it must equal file for file (None: made by the test)
+CONVERTED = {"qwen3_moe-megatron-torch_dist-converted-bf16": MEGATRON_EXPORT,
+             "qwen3_moe-torchtitan-dcp-converted-bf16": None}
 
 
 def _model(family, **overrides):
@@ -114,6 +125,7 @@ def _megatron_export(workdir):
 
     from nemo_moe_export.export import export_hf_checkpoint
     from nemo_moe_export.megatron import MegatronCausalLM, cpu_patches
+    from nemo_moe_export.megatron.checkpoint import save_training_checkpoint
     from nemo_moe_export.megatron.tiny import build_gpt, init_by_hf_name, tiny_transformer_config
 
     cpu_patches.apply()
@@ -121,9 +133,52 @@ def _megatron_export(workdir):
     model = MegatronCausalLM(build_gpt(tiny_transformer_config("qwen3_moe", n_experts=4, kv_channels=32),
                                        vocab_size=VOCAB))
     init_by_hf_name(model, seed=0)
-    export_hf_checkpoint(os.path.join(workdir, "qwen3_moe-megatron-ep2-bf16"), model, dtype="bfloat16",
-                         timeout_s=120)
+    export_hf_checkpoint(os.path.join(workdir, MEGATRON_EXPORT), model, dtype="bfloat16", timeout_s=120)
+    save_training_checkpoint(model, os.path.join(workdir, MEGATRON_TORCH_DIST))
     ps.destroy_model_parallel()
+    _convert_megatron(workdir)
+
+
+def _convert_megatron(workdir):
+    """The torch_dist checkpoint the 4 EP=2 ranks saved, converted by 3 of them (no model), bf16."""
+    import torch.distributed as dist
+
+    from nemo_moe_export.convert import convert_checkpoint
+
+    group = dist.new_group(list(range(CONVERT_RANKS)))  # every rank makes every group
+    if dist.get_rank() < CONVERT_RANKS:
+        convert_checkpoint(os.path.join(workdir, MEGATRON_TORCH_DIST), os.path.join(workdir, _converted("megatron")),
+                           config=os.path.join(workdir, MEGATRON_EXPORT), dtype="bfloat16", group=group,
+                           progress_s=None, timeout_s=120)
+
+
+def _converted(source):
+    return next(name for name in CONVERTED if f"-{source}-" in name)
+
+
+def _torchtitan_checkpoint(workdir):
+    """torchtitan's own Qwen3 MoE DCP checkpoint (FSDP on 2 ranks, with its optimizer's state) in a
+    thread beside the exports (a subprocess: torchtitan's interpreter path); None without torchtitan."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from convert_fixtures import torchtitan_checkpoints, torchtitan_path
+
+    if torchtitan_path() is None:
+        return None
+    pool = ThreadPoolExecutor(1)
+    saved = pool.submit(torchtitan_checkpoints, os.path.join(workdir, "torchtitan"), (TORCHTITAN,))
+    pool.shutdown(wait=False)
+    return saved
+
+
+def _convert_torchtitan(saved, workdir):
+    """The torchtitan checkpoint converted (one rank, this process: no model), bf16; its path."""
+    from nemo_moe_export.convert import convert_checkpoint
+
+    family = os.path.join(saved.result(), TORCHTITAN)
+    out = os.path.join(workdir, _converted("torchtitan"))
+    convert_checkpoint(os.path.join(family, "dcp"), out, config=family, dtype="bfloat16", progress_s=None)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +188,7 @@ def served(tmp_path_factory):
 
     workdir = str(tmp_path_factory.mktemp("serving"))
     started = time.monotonic()
+    torchtitan = _torchtitan_checkpoint(workdir)
     cases = []
     for name, (family, dtype, compute, quantize) in LOCAL.items():
         path = os.path.join(workdir, name)
@@ -140,6 +196,9 @@ def served(tmp_path_factory):
         cases.append((name, path, compute))
     spawn(_distributed_exports, 4, workdir, timeout_s=300)
     cases += [(name, os.path.join(workdir, name), compute) for name, compute in DISTRIBUTED.items()]
+    cases.append((_converted("megatron"), os.path.join(workdir, _converted("megatron")), "bfloat16"))
+    if torchtitan is not None:
+        cases.append((_converted("torchtitan"), _convert_torchtitan(torchtitan, workdir), "bfloat16"))
     exported = time.monotonic()
 
     serve = []
@@ -180,6 +239,47 @@ def test_vllm_serves_the_fp8_block_export_with_transformers_logprobs(served):
 @pytest.mark.parametrize("name", list(DISTRIBUTED))
 def test_vllm_serves_exports_from_shards_and_stages(name, served):
     _judge(name, served, DISTRIBUTED[name])
+
+
+def _files(path):
+    """Every file's bytes, the export's id (each export stamps its own in the headers and the index)
+    blanked: the rest must be equal byte for byte."""
+    from nemo_moe_export.safetensors_format import EXPORT_ID_KEY, INDEX_FILE
+
+    with open(os.path.join(path, INDEX_FILE)) as f:
+        stamp = json.load(f)["metadata"][EXPORT_ID_KEY].encode()
+    files = {}
+    for name in sorted(os.listdir(path)):
+        with open(os.path.join(path, name), "rb") as f:
+            files[name] = f.read()
+        assert name.endswith(".json") or stamp in files[name], name  # every shard carries it
+        files[name] = files[name].replace(stamp, b"#" * len(stamp))
+    return files
+
+
+def _torchtitan_in_job_export(served, tmp_path):
+    """This repo's export of a transformers model loaded with torchtitan's own ``to_hf`` of the weights."""
+    from convert_fixtures import in_job_export, reference_model
+
+    family = os.path.join(os.path.dirname(served[_converted("torchtitan")][0]), "torchtitan", TORCHTITAN)
+    model, info = reference_model(family, str(tmp_path))
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return in_job_export(model, str(tmp_path / "export"), dtype="bfloat16")
+
+
+@pytest.mark.parametrize("name", list(CONVERTED))
+def test_vllm_serves_converted_checkpoints_equal_to_the_in_job_export(name, served, tmp_path):
+    """Converted with no model (docs/convert.md), every file byte-equal to the in-job export of the
+    same weights (for megatron: the export vLLM serves above), and served by vLLM itself."""
+    if name not in served:
+        pytest.skip("no torchtitan: `make setup-torchtitan` installs it in .torchtitan")
+    path, _ = served[name]
+    export = served[CONVERTED[name]][0] if CONVERTED[name] else _torchtitan_in_job_export(served, tmp_path)
+    got, want = _files(path), _files(export)
+    # a model from_pretrained loaded carries a generation config its export writes; a conversion has no model
+    assert set(got) <= set(want) and set(want) - set(got) <= {"generation_config.json"}, (sorted(got), sorted(want))
+    assert all(got[f] == want[f] for f in got), [f for f in got if got[f] != want[f]]
+    _judge(name, served, "bfloat16")
 
 
 def test_what_vllm_cpu_cannot_serve_is_named(served):

@@ -1,8 +1,9 @@
 """torchtitan checkpoints for tests/test_convert.py, written by torchtitan's own code.
 
 Run as a script in an interpreter that can import torchtitan 0.3.0 (``TORCHTITAN_PATH`` on
-``sys.path``, see the Makefile): ``python tests/torchtitan_fixture.py OUT``. For each family
-(DeepSeek-V3, Qwen3 MoE, DeepSeek-V3 with one MTP block) it builds a tiny torchtitan model from torchtitan's own config builders,
+``sys.path``, see the Makefile): ``python tests/torchtitan_fixture.py OUT [FAMILY ...]``. For each family
+(default: DeepSeek-V3, Qwen3 MoE, DeepSeek-V3 with one MTP block; ``qwen3_moe_serving`` is Qwen3 MoE
+at dims vLLM's CPU backend runs, for tests/test_serving_vllm.py) it builds a tiny torchtitan model from torchtitan's own config builders,
 shards it with ``fully_shard`` over 2 gloo ranks, takes one AdamW step with torchtitan's
 ``OptimizersContainer`` and saves what torchtitan's checkpointer saves (``dcp.save`` of the model's
 state dict flattened at the top level, ``optimizer`` and ``train_state`` beside it,
@@ -24,26 +25,27 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "deepseek_v3_mtp")  # the last: one MTP block, compared with to_hf only
+SERVING = dict(vocab=128, head_dim=32)  # vLLM's CPU attention has no kernel for head_dim 8
 WORLD = 2
 VOCAB, DIM, EXPERTS, MOE_HIDDEN = 64, 32, 4, 16
 
 
-def _qwen3():
+def _qwen3(vocab: int = VOCAB, head_dim: int = 8):
     from torchtitan.models import qwen3
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear
 
     config = qwen3.Qwen3Model.Config(
-        vocab_size=VOCAB, dim=DIM, norm=qwen3._qwen3_norm(DIM),
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=qwen3._LINEAR_INIT),
+        vocab_size=vocab, dim=DIM, norm=qwen3._qwen3_norm(DIM),
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=DIM, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=DIM, out_features=vocab, param_init=qwen3._LINEAR_INIT),
         layers=qwen3._build_qwen3_moe_layers(
-            fuse_qkv=True, n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=8, moe_hidden_dim=MOE_HIDDEN,
+            fuse_qkv=True, n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=MOE_HIDDEN,
             num_experts=EXPERTS, top_k=2, attn_backend="flex", moe_comm_backend="standard",
-            rope=CosSinRoPE.Config(dim=8, max_seq_len=64, theta=1e6)))
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=64, theta=1e6)))
     from transformers import Qwen3MoeConfig
 
-    hf = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=2 * DIM, moe_intermediate_size=MOE_HIDDEN,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    hf = Qwen3MoeConfig(vocab_size=vocab, hidden_size=DIM, intermediate_size=2 * DIM, moe_intermediate_size=MOE_HIDDEN,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                         num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
                         max_position_embeddings=64, rope_theta=1e6)
     return config, qwen3.Qwen3StateDictAdapter, hf
@@ -77,7 +79,8 @@ def _deepseek(mtp: int = 0):
     return config, ds.DeepSeekV3StateDictAdapter, hf
 
 
-BUILDERS = {"qwen3_moe": _qwen3, "deepseek_v3": _deepseek, "deepseek_v3_mtp": lambda: _deepseek(mtp=1)}
+BUILDERS = {"qwen3_moe": _qwen3, "deepseek_v3": _deepseek, "deepseek_v3_mtp": lambda: _deepseek(mtp=1),
+            "qwen3_moe_serving": lambda: _qwen3(**SERVING)}
 
 
 def _save_family(family: str, out: str, rank: int) -> None:
@@ -124,23 +127,23 @@ def _save_family(family: str, out: str, rank: int) -> None:
     dist.barrier()
 
 
-def _rank(rank: int, out: str, store: str) -> None:
+def _rank(rank: int, out: str, store: str, families: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        for family in FAMILIES:
+        for family in families:
             _save_family(family, out, rank)
     finally:
         dist.destroy_process_group()
 
 
-def main(out: str) -> None:
+def main(out: str, families: tuple[str, ...] = FAMILIES) -> None:
     import torchtitan.models.deepseek_v3  # noqa: F401 - imported once, before the ranks fork
     import torchtitan.models.qwen3  # noqa: F401
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(out, os.path.join(tmp, "store")), nprocs=WORLD, start_method="fork")
+        mp.start_processes(_rank, args=(out, os.path.join(tmp, "store"), families), nprocs=WORLD, start_method="fork")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], tuple(sys.argv[2:]) or FAMILIES)
