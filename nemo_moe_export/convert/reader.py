@@ -107,10 +107,9 @@ def _records(data: memoryview) -> dict[str, memoryview]:
         raise _NotPlain
     records, pos = {}, cd_offset
     for _ in range(n):
-        entry = _CENTRAL.unpack_from(data, pos)
-        flags, method, stored, size, name_len, extra_len, comment_len, local = (entry[3], entry[4], *entry[8:13],
-                                                                              entry[16])
-        if entry[0] != _CENTRAL_SIG or flags & 1 or method != 0 or stored != size or _ZIP64 in (size, local):
+        (sig, _made_by, _needs, flags, method, _time, _date, _crc, stored, size, name_len, extra_len, comment_len,
+         _disk, _internal, _external, local) = _CENTRAL.unpack_from(data, pos)
+        if sig != _CENTRAL_SIG or flags & 1 or method != 0 or stored != size or _ZIP64 in (size, local):
             raise _NotPlain  # encrypted, compressed or zip64: not what torch.save writes for an item
         name = bytes(data[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len])
         pos += _CENTRAL.size + name_len + extra_len + comment_len
