@@ -245,6 +245,47 @@ def test_a_corrupt_item_is_refused_naming_its_key_and_nothing_is_published(saved
     assert set(os.listdir(tmp_path)) == before  # the partial directory removed, no target
 
 
+def _decoded(chunk, archive: bytes, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``archive`` decoded from a writable buffer at an odd address (as a run's items lie), and
+    where the tensor's bytes lie in that buffer (-1: not in it, a copy)."""
+    import numpy as np
+
+    from nemo_moe_export.convert.reader import _decode
+
+    buffer = np.frombuffer(bytearray(b"x" + archive), dtype=np.uint8)
+    tensor = _decode(chunk, memoryview(buffer)[1:], dtype)
+    at = tensor.data_ptr() - buffer.ctypes.data
+    return tensor, at if 0 <= at < len(buffer) else -1
+
+
+def test_stored_items_decode_in_place_as_torch_load_reads_them(saved, tmp_path):
+    import dataclasses
+    import io
+    import zipfile
+
+    index = read_index(os.path.join(saved, "qwen3_moe", "dcp"))
+    for chunk in (c for t in index.tensors.values() for c in t.chunks):
+        with open(os.path.join(index.directory, chunk.file), "rb") as f:
+            f.seek(chunk.byte_offset)
+            archive = f.read(chunk.length)
+        want = torch.load(io.BytesIO(archive), weights_only=True)
+        got, at = _decoded(chunk, archive, want.dtype)
+        assert at > 0 or want.numel() == 0  # over the read bytes, no copy
+        assert got.dtype == want.dtype and got.stride() == want.stride() and torch.equal(got, want)
+    view = torch.arange(12, dtype=torch.float32).view(3, 4).t()[1:]  # a transposed view keeps its strides
+    saved_view = io.BytesIO()
+    torch.save(view, saved_view)
+    box = dataclasses.replace(chunk, key="view", sizes=(3, 3), length=len(saved_view.getvalue()))
+    got, at = _decoded(box, saved_view.getvalue(), torch.float32)
+    assert at > 0 and got.stride() == view.stride() and torch.equal(got, view)
+    deflated = io.BytesIO()  # a compressed entry: not what torch.save writes, torch.load reads it
+    with zipfile.ZipFile(io.BytesIO(saved_view.getvalue())) as src, zipfile.ZipFile(deflated, "w") as dst:
+        for name in src.namelist():
+            dst.writestr(name, src.read(name), compress_type=zipfile.ZIP_DEFLATED)
+    got, at = _decoded(box, deflated.getvalue(), torch.float32)
+    assert at == -1 and got.stride() == view.stride() and torch.equal(got, view)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 7, 64])
 def test_work_is_every_box_once_in_file_order_balanced_by_bytes(saved, world):
     from nemo_moe_export.convert.assign import assign_work, model_chunks

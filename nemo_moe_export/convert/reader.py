@@ -2,8 +2,11 @@
 
 A rank reads only its own boxes (``assign.py``), file by file in offset order, adjacent items
 merged into one ``pread`` of at most ``read_bytes`` (docs/design.md#checkpoint-conversion). A DCP
-``.distcp`` item is a small ``torch.save`` archive, decoded with ``torch.load(weights_only=True)``
-(never an arbitrary unpickle); a safetensors item is raw bytes. :func:`check_files` refuses a
+``.distcp`` item is a small ``torch.save`` archive (an uncompressed zip), decoded over the read
+buffer without a copy: its zip directory gives the ``data.pkl`` and storage records, and torch's
+weights-only unpickler (never an arbitrary unpickle) rebuilds the tensor over the storage's bytes;
+anything else about the archive goes to ``torch.load(weights_only=True)``, whose errors stand. A
+safetensors item is raw bytes. :func:`check_files` refuses a
 missing or short data file before anything is written.
 """
 
@@ -12,11 +15,15 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import struct
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch._weights_only_unpickler import Unpickler as _WeightsOnlyUnpickler
+from torch.serialization import _maybe_decode_ascii
 
 from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk
 from nemo_moe_export.errors import InputError
@@ -79,16 +86,99 @@ def _pread(fd: int, length: int, offset: int, name: str):
     return buffer
 
 
+class _NotPlain(Exception):
+    """The item is not the plain archive :func:`_load_in_place` reads; ``torch.load`` decides."""
+
+
+# zip records (the zip format's own layouts): end of central directory, central directory entry,
+# local file header; torch.save writes no zip64 fields below 4 GiB and no archive comment
+_EOCD = struct.Struct("<IHHHHIIH")
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<IHHHHHIIIHH")
+_EOCD_SIG, _CENTRAL_SIG, _LOCAL_SIG, _ZIP64 = 0x06054B50, 0x02014B50, 0x04034B50, 0xFFFFFFFF
+
+
+def _records(data: memoryview) -> dict[str, memoryview]:
+    """Each entry of the zip archive ``data`` by name: a view of its stored bytes (no copy)."""
+    if len(data) < _EOCD.size:
+        raise _NotPlain
+    sig, disk, cd_disk, n_disk, n, cd_size, cd_offset, comment = _EOCD.unpack_from(data, len(data) - _EOCD.size)
+    if sig != _EOCD_SIG or disk or cd_disk or n != n_disk or comment or _ZIP64 in (cd_size, cd_offset):
+        raise _NotPlain
+    records, pos = {}, cd_offset
+    for _ in range(n):
+        (sig, _made_by, _needs, flags, method, _time, _date, _crc, stored, size, name_len, extra_len, comment_len,
+         _disk, _internal, _external, local) = _CENTRAL.unpack_from(data, pos)
+        if sig != _CENTRAL_SIG or flags & 1 or method != 0 or stored != size or _ZIP64 in (size, local):
+            raise _NotPlain  # encrypted, compressed or zip64: not what torch.save writes for an item
+        name = bytes(data[pos + _CENTRAL.size:pos + _CENTRAL.size + name_len])
+        pos += _CENTRAL.size + name_len + extra_len + comment_len
+        head = _LOCAL.unpack_from(data, local)
+        start = local + _LOCAL.size + head[9] + head[10]
+        if head[0] != _LOCAL_SIG or head[3] != 0 or bytes(data[local + _LOCAL.size:local + _LOCAL.size + head[9]]) \
+                != name or start + size > cd_offset:
+            raise _NotPlain
+        records[name.decode("utf-8")] = data[start:start + size]
+    return records
+
+
+class _InPlaceUnpickler(_WeightsOnlyUnpickler):
+    """torch's weights-only unpickler whose storages are the archive's own bytes, wrapped as
+    ``torch.serialization._load`` wraps the storages it reads (a ``TypedStorage`` of the saved dtype)."""
+
+    def __init__(self, pickled: memoryview, storages: dict[str, memoryview]) -> None:
+        super().__init__(io.BytesIO(pickled), encoding="utf-8")  # torch.load's default encoding
+        self.storages = storages
+
+    def persistent_load(self, saved_id):
+        if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+            raise _NotPlain
+        typename, storage_type, key, _location, numel = saved_id  # map_location is the CPU: bytes stay here
+        if _maybe_decode_ascii(typename) != "storage" or key not in self.storages:
+            raise _NotPlain
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        raw = self.storages[key]
+        if len(raw) != numel * torch._utils._element_size(dtype):
+            raise _NotPlain
+        untyped = torch.frombuffer(raw, dtype=torch.uint8).untyped_storage() if len(raw) else torch.UntypedStorage(0)
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def _load_in_place(data: memoryview) -> torch.Tensor:
+    """The tensor a one-storage ``torch.save`` archive holds, over ``data``'s own bytes: it keeps the
+    saved strides and offset, and keeps the read buffer alive for as long as it lives."""
+    records = _records(data)
+    pickles = [name for name in records if name.endswith("/data.pkl") and name.count("/") == 1]
+    if len(pickles) != 1:
+        raise _NotPlain
+    prefix = pickles[0][:-len("data.pkl")]
+    storages = {name[len(prefix) + 5:]: raw for name, raw in records.items() if name.startswith(prefix + "data/")}
+    order = records.get(prefix + "byteorder")
+    if len(storages) != 1 or order is None or bytes(order) != b"little" or sys.byteorder != "little":
+        raise _NotPlain  # several storages, or bytes to swap: torch.load's own path
+    tensor = _InPlaceUnpickler(records[pickles[0]], storages).load()
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        raise _NotPlain
+    return tensor
+
+
+def _torch_load(chunk: StoredChunk, data: memoryview) -> torch.Tensor:
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        raise InputError("a stored item is not a torch.save archive of a tensor", key=chunk.key,
+                         expected=f"{chunk.length} bytes of torch.save at {chunk.file}:{chunk.byte_offset}",
+                         actual=f"{type(exc).__name__}: {str(exc)[:200]}") from None
+
+
 def _decode(chunk: StoredChunk, data: memoryview, dtype: torch.dtype) -> torch.Tensor:
     if chunk.encoding == "raw":
         tensor = torch.frombuffer(data, dtype=dtype) if len(data) else torch.empty(0, dtype=dtype)
         return tensor.view(chunk.sizes)
     try:
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except (RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
-        raise InputError("a stored item is not a torch.save archive of a tensor", key=chunk.key,
-                         expected=f"{chunk.length} bytes of torch.save at {chunk.file}:{chunk.byte_offset}",
-                         actual=f"{type(exc).__name__}: {str(exc)[:200]}") from None
+        tensor = _load_in_place(data)
+    except Exception:  # noqa: BLE001 - any surprise in the archive: torch.load reads it (or refuses it) as before
+        tensor = _torch_load(chunk, data)
     if not torch.is_tensor(tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != dtype:
         raise InputError("a stored item does not hold the box the index declares", key=chunk.key,
                          expected=f"{tuple(chunk.sizes)} {dtype}",
