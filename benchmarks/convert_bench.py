@@ -334,7 +334,9 @@ def _in_child(route: str, args: dict) -> dict:
     if proc.returncode != 0:
         return dict(route=route, error=proc.stderr[-2000:])
     ranks = json.loads(proc.stdout.strip().splitlines()[-1])
-    return _summary(route, ranks, wall, out)
+    row = _summary(route, ranks, wall, out)
+    print(json.dumps(row), file=sys.stderr, flush=True)  # as each route ends: a long run shows what it has
+    return row
 
 
 def _summary(route: str, ranks: list[dict], wall: float, out: str) -> dict:
