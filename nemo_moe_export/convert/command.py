@@ -21,7 +21,7 @@ from nemo_moe_export.job.torchrun import run_torchrun
 from nemo_moe_export.parallel import PeerError, init_distributed
 from nemo_moe_export.watchdog import finished, report_job_failure, watch_job
 
-__all__ = ["convert_main", "convert_parser"]
+__all__ = ["convert_main", "convert_parser", "without_nproc"]
 
 
 def convert_parser() -> argparse.ArgumentParser:
@@ -61,10 +61,14 @@ def convert_main(argv: list[str]) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise InputError("--nproc must be at least 1", key="--nproc", expected=">= 1", actual=args.nproc)
-        rest = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
-                and (i == 0 or argv[i - 1] != "--nproc")]
-        return run_torchrun(args.nproc, ["convert", *rest])
+        return run_torchrun(args.nproc, ["convert", *without_nproc(argv)])
     return _convert_here(args)
+
+
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command's arguments as each rank runs them: ``--nproc N`` is the launcher's."""
+    return [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
+            and (i == 0 or argv[i - 1] != "--nproc")]
 
 
 def _convert_here(args: argparse.Namespace) -> int:
