@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nemo_moe_export.convert.command import convert_parser, without_nproc
+from nemo_moe_export.convert.index import read_index
 from nemo_moe_export.integrations._install_hint import missing
 from nemo_moe_export.job.compose import CONFIG_PATH_ENV, load_config, split_recipe_args, user_config_dirs
 from nemo_moe_export.job.stages import check_recipe
@@ -98,9 +100,6 @@ def launch_main(argv: list[str]) -> int:
 def _launch_convert(known: argparse.Namespace, argv: list[str]) -> int:
     """``launch convert SRC OUT ... [--nproc N]``: the command's flags and the checkpoint's index are
     checked here, before anything is launched; each rank runs the command without ``--nproc``."""
-    from nemo_moe_export.convert.command import convert_parser, without_nproc
-    from nemo_moe_export.convert.index import read_index
-
     args = convert_parser().parse_args(argv)
     read_index(args.src)  # a checkpoint the conversion cannot read fails here
     _launch(known, args.nproc, convert_task(without_nproc(argv)), "convert")
