@@ -329,3 +329,11 @@ def test_convert_as_plain_processes(trained_run, tmp_path):
     assert [status for status, _, _ in done] == [0, 0], done
     assert json.loads(done[0][1].splitlines()[-1])["format"] == "transformers"
     _assert_same_tensors(_tensors(run_dir / "hf"), _tensors(tmp_path / "hf"))
+
+
+def test_convert_under_the_nemo_run_launcher(trained_run, tmp_path):
+    pytest.importorskip("nemo_run")
+    run_dir, _ = trained_run
+    run_cli(["launch", "convert", str(run_dir / "checkpoint"), str(tmp_path / "hf"), "--config", str(run_dir / "hf"),
+             "--nproc", "2", "--job-dir", str(tmp_path / "jobs")], timeout=300)
+    _assert_same_tensors(_tensors(run_dir / "hf"), _tensors(tmp_path / "hf"))
