@@ -337,3 +337,13 @@ def test_convert_under_the_nemo_run_launcher(trained_run, tmp_path):
     run_cli(["launch", "convert", str(run_dir / "checkpoint"), str(tmp_path / "hf"), "--config", str(run_dir / "hf"),
              "--nproc", "2", "--job-dir", str(tmp_path / "jobs")], timeout=300)
     _assert_same_tensors(_tensors(run_dir / "hf"), _tensors(tmp_path / "hf"))
+
+
+def test_an_unreadable_foreign_checkpoint_is_refused_before_any_rank_starts(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"\x80\x04truncated")
+    cfg = load_config("deepseek_v3_tiny", [f"run_dir={tmp_path / 'r'}", "stages=[export]",
+                                           f"export.from_checkpoint={tmp_path / 'ckpt'}"])
+    with pytest.raises(InputError, match="nor one the conversion reads.*cannot be read") as info:
+        check_recipe(cfg, 2)
+    assert info.value.key == "export.from_checkpoint" and not (tmp_path / "r").exists()

@@ -21,6 +21,7 @@ __all__ = ["FOREIGN_STAGES", "check_foreign", "convert_stage", "foreign_format",
 
 TRAINER_FILES = (".metadata", "tokenizer")  # what this repo's trainer saves (job/stages.py)
 FOREIGN_STAGES = ("export", "verify")  # what runs on a converted checkpoint, without the model
+_CONVERTIBLE = (".metadata", "model")  # a DCP index, or AutoModel's model/ folder (index.read_index)
 # Each format's stored embedding: its rows are the vocabulary the recipe's HF config is given.
 _EMBEDDINGS = ("model.embed_tokens.weight", "tok_embeddings.weight", "embedding.word_embeddings.weight")
 
@@ -28,15 +29,21 @@ _EMBEDDINGS = ("model.embed_tokens.weight", "tok_embeddings.weight", "embedding.
 def foreign_format(path: str) -> str | None:
     """None for a checkpoint this repo's trainer saved; else the format the conversion reads it as
     (an InputError where it is neither)."""
-    if all(os.path.exists(os.path.join(path, n)) for n in TRAINER_FILES) or not os.path.isdir(path):
-        return None  # the training-checkpoint checks say what is wrong with a path that is no directory
+    if not os.path.isdir(path) or all(os.path.exists(os.path.join(path, n)) for n in TRAINER_FILES):
+        return None
+    if not any(os.path.exists(os.path.join(path, n)) for n in _CONVERTIBLE) and not _has_safetensors(path):
+        return None  # nothing any format keeps: the training-checkpoint check says what is missing
     try:
         return read_index(path).format
     except InputError as exc:
-        raise InputError("export.from_checkpoint is neither a training checkpoint nor one the conversion reads",
+        raise InputError("export.from_checkpoint is not a training checkpoint, nor one the conversion reads",
                          key="export.from_checkpoint", expected="{run_dir}/checkpoint of a training run, or a "
                          "megatron-core torch_dist, torchtitan or AutoModel checkpoint", actual=f"{path}: {exc}",
                          hint="docs/convert.md lists the formats") from None
+
+
+def _has_safetensors(path: str) -> bool:
+    return any(name.endswith(".safetensors") for name in os.listdir(path))
 
 
 def check_foreign(cfg: Any, stages: list[str], format: str) -> None:
