@@ -11,6 +11,7 @@
                                                                      what converting a checkpoint will read, write, take
     nemo-moe-export launch [recipe=NAME] [overrides...] [--nproc N] [--config-dir DIR]... [--slurm ...]
                                                                      the same as a NeMo-Run job
+    nemo-moe-export launch convert SRC OUT --config HF_CONFIG [...] [--nproc N]   the conversion as a NeMo-Run job
     nemo-moe-export convert SRC OUT --config HF_CONFIG [--dtype D] [--tokenizer DIR] [--overwrite replace]
                     [--nproc N]                                      a training checkpoint -> HF, no model
 

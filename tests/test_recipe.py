@@ -248,3 +248,102 @@ def test_device_choice_is_checked(monkeypatch):
         resolve_device("gpu")
     cfg = load_config("deepseek_v3_gpu")
     assert (cfg.parallel.device, cfg.model.dtype, cfg.model.n_experts % 2) == ("cuda", "bfloat16", 1)
+
+
+def _tensors(directory):
+    out = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, name)))
+    return out
+
+
+def _assert_same_tensors(first, second):
+    assert first.keys() == second.keys()
+    differ = [k for k in first if first[k].dtype != second[k].dtype or not (first[k] == second[k]).all()]
+    assert not differ, differ[:5]
+
+
+def test_convert_reads_the_trainers_own_checkpoint(trained_run, tmp_path):
+    """The train stage's DCP checkpoint (transformers' in-memory keys, fused experts) converts,
+    with no model, to what the in-job export of the same weights wrote, tensor for tensor."""
+    from nemo_moe_export.convert import convert_checkpoint, read_index
+
+    run_dir, _ = trained_run
+    assert read_index(run_dir / "checkpoint").format == "transformers"
+    dtype = json.loads((run_dir / "hf" / "config.json").read_text()).get("dtype")
+    result = convert_checkpoint(run_dir / "checkpoint", tmp_path / "hf", config=run_dir / "hf", dtype=dtype)
+    assert result.format == "transformers"
+    _assert_same_tensors(_tensors(run_dir / "hf"), _tensors(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == json.loads((run_dir / "hf" / "config.json").read_text())
+
+
+def test_export_from_another_frameworks_checkpoint_converts_it(trained_run, tmp_path):
+    """export.from_checkpoint of an HF-keyed DCP checkpoint (AutoModel's format) with stages=[export]:
+    converted on 2 ranks into the export's directory, equal to the in-job export; stages that need the
+    model are refused before any rank starts."""
+    import torch.distributed.checkpoint as dcp
+
+    run_dir, _ = trained_run
+    foreign = tmp_path / "automodel"
+    dcp.save(_tensors(run_dir / "hf"), checkpoint_id=str(foreign), no_dist=True)
+    second = tmp_path / "converted"
+    proc = run_cli(["recipe=deepseek_v3_tiny", f"run_dir={second}", "stages=[export,verify]", "mmlu.enabled=false",
+                    f"export.from_checkpoint={foreign}", "--nproc", "2"])
+    assert "converted the automodel checkpoint" in proc.stdout and "verify : OK" in proc.stdout
+    _assert_same_tensors(_tensors(run_dir / "hf"), _tensors(second / "hf"))
+    assert json.loads((second / "hf" / "config.json").read_text()) == json.loads((run_dir / "hf" / "config.json").read_text())
+    for stages in ("[mmlu,export]", "[train,export]"):
+        with pytest.raises(InputError, match="converted, not loaded into the model") as info:
+            check_recipe(load_config("deepseek_v3_tiny", [f"run_dir={tmp_path / 'x'}", f"stages={stages}",
+                                                          f"export.from_checkpoint={foreign}"]))
+        assert info.value.key == "export.from_checkpoint"
+
+
+def _plain_ranks(argv, world, cwd):
+    """``python -m nemo_moe_export ARGV`` as ``world`` plain processes, as srun starts them (env://)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "WORLD_SIZE": str(world)}
+    procs = [subprocess.Popen([sys.executable, "-m", "nemo_moe_export", *argv], cwd=cwd, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    return [(p.wait(timeout=300), *p.communicate()) for p in procs]
+
+
+def test_convert_as_plain_processes(trained_run, tmp_path):
+    """``nemo-moe-export convert`` on 2 ranks started like srun (RANK / WORLD_SIZE / MASTER_ADDR):
+    a refused input (an existing OUT) is one line and exit 1 on every rank, then the conversion."""
+    run_dir, _ = trained_run
+    argv = ["convert", str(run_dir / "checkpoint"), str(tmp_path / "hf"), "--config", str(run_dir / "hf")]
+    (tmp_path / "hf").mkdir()
+    refused = _plain_ranks(argv, 2, tmp_path)
+    assert [status for status, _, _ in refused] == [1, 1], refused
+    assert "nemo-moe-export: error:" in refused[0][2] and "Traceback" not in refused[0][2] + refused[1][2]
+    (tmp_path / "hf").rmdir()
+    done = _plain_ranks(argv, 2, tmp_path)
+    assert [status for status, _, _ in done] == [0, 0], done
+    assert json.loads(done[0][1].splitlines()[-1])["format"] == "transformers"
+    _assert_same_tensors(_tensors(run_dir / "hf"), _tensors(tmp_path / "hf"))
+
+
+def test_convert_under_the_nemo_run_launcher(trained_run, tmp_path):
+    pytest.importorskip("nemo_run")
+    run_dir, _ = trained_run
+    run_cli(["launch", "convert", str(run_dir / "checkpoint"), str(tmp_path / "hf"), "--config", str(run_dir / "hf"),
+             "--nproc", "2", "--job-dir", str(tmp_path / "jobs")], timeout=300)
+    _assert_same_tensors(_tensors(run_dir / "hf"), _tensors(tmp_path / "hf"))
+
+
+def test_an_unreadable_foreign_checkpoint_is_refused_before_any_rank_starts(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"\x80\x04truncated")
+    cfg = load_config("deepseek_v3_tiny", [f"run_dir={tmp_path / 'r'}", "stages=[export]",
+                                           f"export.from_checkpoint={tmp_path / 'ckpt'}"])
+    with pytest.raises(InputError, match="nor one the conversion reads.*cannot be read") as info:
+        check_recipe(cfg, 2)
+    assert info.value.key == "export.from_checkpoint" and not (tmp_path / "r").exists()

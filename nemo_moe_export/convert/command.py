@@ -16,11 +16,12 @@ import torch.distributed as dist
 
 from nemo_moe_export.convert.engine import convert_checkpoint
 from nemo_moe_export.errors import InputError
-from nemo_moe_export.export.options import OVERWRITE_POLICIES, QUANTIZE_METHODS
+from nemo_moe_export.export.options import OVERWRITE_POLICIES, QUANTIZE_METHODS, ExportOptions
 from nemo_moe_export.job.torchrun import run_torchrun
 from nemo_moe_export.parallel import PeerError, init_distributed
+from nemo_moe_export.watchdog import finished, report_job_failure, watch_job
 
-__all__ = ["convert_main", "convert_parser"]
+__all__ = ["convert_main", "convert_parser", "without_nproc"]
 
 
 def convert_parser() -> argparse.ArgumentParser:
@@ -60,31 +61,49 @@ def convert_main(argv: list[str]) -> int:
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
         if args.nproc < 1:
             raise InputError("--nproc must be at least 1", key="--nproc", expected=">= 1", actual=args.nproc)
-        rest = [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
-                and (i == 0 or argv[i - 1] != "--nproc")]
-        return run_torchrun(args.nproc, ["convert", *rest])
+        return run_torchrun(args.nproc, ["convert", *without_nproc(argv)])
     return _convert_here(args)
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """The command's arguments as each rank runs them: ``--nproc N`` is the launcher's."""
+    return [a for i, a in enumerate(argv) if a != "--nproc" and not a.startswith("--nproc=")
+            and (i == 0 or argv[i - 1] != "--nproc")]
+
+
 def _convert_here(args: argparse.Namespace) -> int:
-    """Convert on this rank (one of torchrun's, or alone); the exit status."""
-    init_distributed("cpu", timeout_s=600.0)
+    """Convert on this rank (one of torchrun's, one of plain processes started as srun does with
+    ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT``, or alone); the exit status."""
+    init_distributed("cpu", timeout_s=ExportOptions.timeout_s)  # the one default of every agreement's wait
+    watch_job()  # as the recipe: without torchrun's agent, nothing else ends a rank when a peer failed
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         result = convert_checkpoint(args.src, args.out, **_options(args))
-    except PeerError as exc:
-        cause = exc.__cause__
-        if isinstance(cause, InputError) or "InputError" in str(exc):
-            if rank0:
-                print(f"nemo-moe-export: error: {cause if isinstance(cause, InputError) else exc}", file=sys.stderr,
-                      flush=True)
-            return 1
-        raise
+    except (InputError, PeerError) as exc:
+        report_job_failure(exc)
+        refused = _refused_input(exc)
+        if refused is None:
+            raise
+        if rank0:
+            print(f"nemo-moe-export: error: {refused}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    finished()
     if rank0:
         print(json.dumps(dict(path=result.path, format=result.format, files=result.files, tensors=result.tensors,
                               source_bytes=result.source_bytes, checkpoint_bytes=result.checkpoint_bytes,
                               seconds=result.seconds, rank0_bytes_read=result.rank_bytes_read)))
     return 0
+
+
+def _refused_input(exc: BaseException) -> BaseException | None:
+    """What to print for a refused input: this rank's own InputError (raised, or the cause of the
+    agreement that failed), or the agreement's report where only a peer failed (it names that rank
+    and its error); None for a failure of another kind (re-raised, with its traceback)."""
+    if isinstance(exc, InputError):
+        return exc
+    if isinstance(exc.__cause__, InputError):
+        return exc.__cause__
+    return exc if exc.__cause__ is None else None

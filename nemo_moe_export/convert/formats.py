@@ -17,6 +17,7 @@ from nemo_moe_export.convert.megatron import FORMAT as MEGATRON, MegatronTorchDi
 from nemo_moe_export.convert.megatron_config import config_from_checkpoint
 from nemo_moe_export.convert.tables import CheckpointTable
 from nemo_moe_export.convert.torchtitan import torchtitan_table
+from nemo_moe_export.convert.transformers_keys import FORMAT as TRANSFORMERS, TransformersTable
 from nemo_moe_export.errors import InputError
 
 __all__ = ["FORMATS", "recorded_config", "register_table", "table_for"]
@@ -28,6 +29,7 @@ FORMATS: dict[str, tuple[TableFactory, Callable[[CheckpointIndex], Any] | None]]
     MEGATRON: (MegatronTorchDistTable, config_from_checkpoint),
     "torchtitan": (torchtitan_table, None),
     "automodel": (automodel_table, None),
+    TRANSFORMERS: (TransformersTable, None),  # this repo's own trainer checkpoints
 }
 
 

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import pickle
+import re
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ __all__ = ["CheckpointIndex", "StoredChunk", "StoredTensor", "detect_format", "r
 
 METADATA_FILE = ".metadata"  # torch DCP's index of a checkpoint directory
 MEGATRON_METADATA = "metadata.json"  # megatron-core dist_checkpointing's own note of its backend
+# A fused experts parameter (no expert index, no ``.weight``): transformers' in-memory layout, which
+# this repo's trainer saves and an HF checkpoint (one tensor per expert) never stores.
+IN_MEMORY_EXPERTS = re.compile(r"model\..+\.experts\.[a-z_]+")
 
 # The globals a DCP ``.metadata`` pickle may name (module, name): its records, their torch types,
 # and the checkpoint id (a path) ``StorageMeta`` keeps. Anything else is refused.
@@ -77,7 +81,7 @@ class StoredTensor:
 @dataclass(frozen=True)
 class CheckpointIndex:
     directory: str
-    format: str  # "megatron_torch_dist" | "torchtitan" | "automodel"
+    format: str  # "megatron_torch_dist" | "torchtitan" | "automodel" | "transformers"
     tensors: dict[str, StoredTensor]  # every stored tensor
     other: frozenset[str]  # stored non-tensor entries (bytes, e.g. _extra_state, rng, train state)
 
@@ -191,7 +195,8 @@ def _sharding_info(metadata: dict | None, name: str) -> dict:
 
 def detect_format(directory: str, keys: frozenset[str] | set[str]) -> str:
     """The checkpoint's format from its own files: megatron's ``metadata.json`` names its backend;
-    torchtitan's keys are its native module names; AutoModel's are HF names (``model.``...)."""
+    torchtitan's keys are its native module names; this repo's trainer's are transformers' in-memory
+    names (fused experts ``mlp.experts.gate_up_proj``); AutoModel's are HF names (``model.``...)."""
     note = os.path.join(directory, MEGATRON_METADATA)
     if os.path.isfile(note):
         try:
@@ -205,6 +210,8 @@ def detect_format(directory: str, keys: frozenset[str] | set[str]) -> str:
                          expected='"sharded_backend": "torch_dist"', actual=backend)
     if "tok_embeddings.weight" in keys or any(k.startswith("layers.") for k in keys):
         return "torchtitan"
+    if any(IN_MEMORY_EXPERTS.fullmatch(k) for k in keys):  # transformers' fused experts: our trainer's
+        return "transformers"
     if any(k.startswith(("model.", "lm_head.")) for k in keys):
         return "automodel"
     raise InputError("the checkpoint's format is not recognised", key=directory,

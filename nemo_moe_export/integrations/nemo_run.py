@@ -25,11 +25,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from nemo_moe_export.convert.command import convert_parser, without_nproc
+from nemo_moe_export.convert.index import read_index
 from nemo_moe_export.integrations._install_hint import missing
 from nemo_moe_export.job.compose import CONFIG_PATH_ENV, load_config, split_recipe_args, user_config_dirs
 from nemo_moe_export.job.stages import check_recipe
 
-__all__ = ["OVERRIDES_ENV", "launch_main", "local_executor", "recipe_task", "slurm_executor"]
+__all__ = ["OVERRIDES_ENV", "convert_task", "launch_main", "local_executor", "recipe_task", "slurm_executor"]
 
 OVERRIDES_ENV = "NEMO_MOE_EXPORT_OVERRIDES"
 
@@ -56,6 +58,12 @@ def recipe_task(recipe: str, overrides: list[str], config_dirs: list[Path] | tup
     return _run().Script(path="nemo_moe_export", m=True, entrypoint="python", args=[f"recipe={recipe}"], env=env)
 
 
+def convert_task(argv: list[str]) -> Any:
+    """``nemo-moe-export convert ARGV`` as a ``run.Script``: run once per rank by the executor's torchrun
+    (docs/convert.md#launchers)."""
+    return _run().Script(path="nemo_moe_export", m=True, entrypoint="python", args=["convert", *argv])
+
+
 def local_executor(nproc: int, job_dir: str = "") -> Any:
     return _run().LocalExecutor(ntasks_per_node=nproc, launcher="torchrun", job_dir=job_dir)
 
@@ -77,12 +85,28 @@ def launch_main(argv: list[str]) -> int:
     parser.add_argument("--slurm-partition")
     parser.add_argument("--nodes", type=int, default=1)
     known, rest = parser.parse_known_args(argv)
+    if rest and rest[0] == "convert":
+        return _launch_convert(known, rest[1:])
     recipe, overrides, nproc, config_dirs = split_recipe_args(rest)
     user_dirs = user_config_dirs(config_dirs)
     # Validate now, for the world the job will have: Hydra's errors and the recipe checks (stages,
     # options, paths, EP size against the ranks and experts) before anything is launched.
     world = (nproc or 8) * known.nodes if known.slurm_account else (nproc or 1)
     check_recipe(load_config(recipe, overrides, config_dirs), world)
+    _launch(known, nproc, recipe_task(recipe, overrides, user_dirs), recipe)
+    return 0
+
+
+def _launch_convert(known: argparse.Namespace, argv: list[str]) -> int:
+    """``launch convert SRC OUT ... [--nproc N]``: the command's flags and the checkpoint's index are
+    checked here, before anything is launched; each rank runs the command without ``--nproc``."""
+    args = convert_parser().parse_args(argv)
+    read_index(args.src)  # a checkpoint the conversion cannot read fails here
+    _launch(known, args.nproc, convert_task(without_nproc(argv)), "convert")
+    return 0
+
+
+def _launch(known: argparse.Namespace, nproc: int | None, task: Any, name: str) -> None:
     run = _run()
     # torchx's local scheduler looks torchrun up on PATH: make it the one beside this interpreter,
     # also when the virtual environment was not activated.
@@ -93,6 +117,5 @@ def launch_main(argv: list[str]) -> int:
     else:
         executor = local_executor(nproc or 1, known.job_dir)
     with run.Experiment(known.name, base_dir=known.job_dir or None) as exp:
-        exp.add(recipe_task(recipe, overrides, user_dirs), executor=executor, name=recipe)
+        exp.add(task, executor=executor, name=name)
         exp.run(sequential=True, detach=False, tail_logs=True)
-    return 0

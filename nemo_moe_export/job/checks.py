@@ -29,6 +29,7 @@ from nemo_moe_export.errors import InputError
 from nemo_moe_export.evaluate.data import load_mmlu, require_dev_examples
 from nemo_moe_export.evaluate.task import load_questions, load_task
 from nemo_moe_export.job.data import SUBJECTS
+from nemo_moe_export.job.foreign import check_foreign, foreign_format
 from nemo_moe_export.megatron.recipe import check_megatron_pipeline
 from nemo_moe_export.parallel import DEVICES
 from nemo_moe_export.tiny_models import FAMILIES, build_model
@@ -51,7 +52,11 @@ def check_config(cfg: Any, world_size: int | None = None) -> list[str]:
     _check_microbatches(cfg.parallel, cfg.trainer, stages)
     _check_data(cfg, stages)
     if cfg.export.from_checkpoint:
-        check_training_checkpoint(cfg.export.from_checkpoint, cfg.model)
+        foreign = foreign_format(cfg.export.from_checkpoint)
+        if foreign is None:
+            check_training_checkpoint(cfg.export.from_checkpoint, cfg.model)
+        else:  # another framework's: converted, never loaded (job/foreign.py)
+            check_foreign(cfg, stages, foreign)
     if "export" in stages:
         _check_target_parent(export_target(cfg, os.path.abspath(cfg.run_dir)), os.path.abspath(cfg.run_dir))
     return stages

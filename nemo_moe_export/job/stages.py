@@ -57,6 +57,7 @@ from nemo_moe_export.export.options import ExportOptions, parse_dtype
 from nemo_moe_export.hooks import HookList, RecipeContext
 from nemo_moe_export.job.checks import check_config, check_export_target, export_target
 from nemo_moe_export.job.data import build_tokenizer, write_synthetic_mmlu
+from nemo_moe_export.job.foreign import convert_stage, foreign_format
 from nemo_moe_export.job.trainer import build_sharded_model, train
 from nemo_moe_export.megatron import MegatronCausalLM
 from nemo_moe_export.megatron.checkpoint import load_training_checkpoint, save_training_checkpoint
@@ -80,6 +81,7 @@ class CheckedRecipe:
     mmlu_options: MMLUOptions  # also formats the training prompts (k_shot) when MMLU is off
     mmlu: MMLUCallback | None
     export: ExportStep | None
+    foreign: str | None = None  # export.from_checkpoint's format when another framework saved it (job/foreign.py)
 
 
 def check_recipe(cfg: Any, world_size: int | None = None) -> CheckedRecipe:
@@ -90,7 +92,8 @@ def check_recipe(cfg: Any, world_size: int | None = None) -> CheckedRecipe:
     run_dir = os.path.abspath(cfg.run_dir)
     mmlu_options = MMLUOptions.of(cfg.mmlu)
     mmlu, export = _stage_hooks(cfg, run_dir, stages, mmlu_options)
-    return CheckedRecipe(cfg, stages, run_dir, mmlu_options, mmlu, export)
+    foreign = foreign_format(cfg.export.from_checkpoint) if cfg.export.from_checkpoint else None
+    return CheckedRecipe(cfg, stages, run_dir, mmlu_options, mmlu, export, foreign)
 
 
 def _world_size() -> int | None:
@@ -197,6 +200,8 @@ def _run_stages(checked: CheckedRecipe, device: str, after: Callable[[Any], None
             json.dump(_to_plain(cfg), f, indent=2)
     log.info(f"recipe {cfg.name}: stages {stages}, {info.world_size} rank(s) on {device}, run dir {run_dir}")
 
+    if checked.foreign is not None:  # converted into the export's directory, no model (job/foreign.py)
+        return _run_converted(checked, info, log, after)
     ctx, hooks = _setup(checked, info, log, device)
     results: dict[str, Any] = ctx.results
     if "train" in stages:
@@ -212,10 +217,26 @@ def _run_stages(checked: CheckedRecipe, device: str, after: Callable[[Any], None
         results["verify"] = _verify_stage(checked, ctx, results, info, log)
     if after is not None:
         after(ctx)
+    return _save_results(checked, results, info, log)
+
+
+def _run_converted(checked: CheckedRecipe, info: Any, log: Any, after: Callable[[Any], None] | None) -> dict[str, Any]:
+    """Stages export (a conversion of another framework's checkpoint) and verify; no model, no context."""
+    results: dict[str, Any] = {}
+    if checked.export is not None:
+        results["export"] = convert_stage(checked.cfg, checked.export.output_dir, checked.export.options, log)
+    if "verify" in checked.stages:
+        results["verify"] = _verify_stage(checked, None, results, info, log)
+    if after is not None:
+        after(None)
+    return _save_results(checked, results, info, log)
+
+
+def _save_results(checked: CheckedRecipe, results: dict[str, Any], info: Any, log: Any) -> dict[str, Any]:
     if info.rank == 0:
-        with open(os.path.join(run_dir, "results.json"), "w") as f:
+        with open(os.path.join(checked.run_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2, default=str)
-        log.info(_summary(results, run_dir, checked.mmlu_options.task))
+        log.info(_summary(results, checked.run_dir, checked.mmlu_options.task))
     if info.initialized:
         dist.barrier()
     return results
