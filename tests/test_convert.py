@@ -242,6 +242,16 @@ def test_fp8_conversion_on_1_to_3_ranks_is_the_in_job_fp8_export_byte_for_byte(f
         with open(os.path.join(out, f"{family}-{n}", "config.json")) as f, \
                 open(os.path.join(reference, "config.json")) as g:
             assert json.load(f) == json.load(g), n
+    if family == "deepseek_v3":  # the command line: the same files
+        from nemo_moe_export.cli import main
+
+        cli = str(tmp_path / "cli")
+        assert main(["convert", os.path.join(saved, family, "dcp"), cli, "--config", os.path.join(saved, family),
+                     "--dtype", "bfloat16", "--quantize", "fp8_block"]) == 0
+        got = tensors_of(cli)
+        assert sorted(got) == sorted(expected)
+        assert all(got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+                   for k, v in expected.items())
 
 
 def test_the_command_line_converts_and_refuses_an_existing_output(saved, tmp_path, capsys):
