@@ -14,7 +14,9 @@ Called on every rank of ``group`` (docs/design.md#checkpoint-conversion):
                  reads a run of its boxes (``reader.py``), maps each to its HF pieces and hands
                  them to the export's writer, which writes them in place (cast through its staging
                  buffers) before the next run is read: memory is bounded by the read and staging
-                 buffers, not by the model.
+                 buffers, not by the model. With ``quantize="fp8_block"`` the boxes feeding one
+                 128 x 128 block are one unit, assigned and read whole, then quantized by the
+                 export's own FP8 code (``fp8.py``).
 """
 
 from __future__ import annotations
