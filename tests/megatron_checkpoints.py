@@ -23,7 +23,7 @@ Adam step.
 The expected export of each checkpoint is made in the same spawn the way a job would: a fresh model
 (other seed) on the same layout loads the checkpoint with megatron's own ``dist_checkpointing.load``
 (Megatron-LM keeps the model under ``"model"``) and ``export_hf_checkpoint`` writes it, in float32
-(the model's dtype) and cast to bfloat16.
+(the model's dtype), cast to bfloat16, and FP8 block-quantized (``quantize="fp8_block"``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ LAYOUTS = {
     "etp2_pre014": dict(tp=1, pp=1, ep=2, etp=2, sp=False, singleton=True),
 }
 EXPORT_DTYPES = ("float32", "bfloat16")  # the model's own, and the cast transformers makes
+FP8 = "fp8_block"  # export_dir's name of the in-job FP8 export (bfloat16 where not quantized)
 CASES = [(layout, family) for layout in LAYOUTS for family in FAMILIES]
 
 
@@ -198,3 +199,6 @@ def _export(family: str, sizes: dict, path: str, root: str, layout: str) -> None
     model.sync_embedding_copy()
     for dtype in EXPORT_DTYPES:
         export_hf_checkpoint(export_dir(root, layout, family, dtype), model, dtype=dtype, timeout_s=60)
+    # the in-job FP8 export (its blocks span the TP / expert-TP shards: exchanged between ranks)
+    export_hf_checkpoint(export_dir(root, layout, family, FP8), model, dtype="bfloat16", quantize="fp8_block",
+                         timeout_s=60)

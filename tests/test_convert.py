@@ -199,10 +199,59 @@ def test_an_existing_output_is_refused_unless_replace(saved, tmp_path):
     assert result.files == 1 and os.path.exists(tmp_path / "out" / "config.json")
 
 
-def test_quantize_is_refused_until_supported(saved, tmp_path):
-    src = os.path.join(saved, "deepseek_v3", "dcp")
-    _refused(src, tmp_path, os.path.join(saved, "deepseek_v3"), "the conversion does not quantize yet",
-             quantize="fp8_block")
+def _convert_fp8_on_subgroups(rank: int, world: int, saved: str, out: str) -> dict:
+    results = {}
+    for n in FP8_WORLDS:
+        group = dist.new_group(list(range(n)))
+        for family in FAMILIES:
+            if rank < n:
+                results[(family, n)] = convert_checkpoint(
+                    os.path.join(saved, family, "dcp"), os.path.join(out, f"{family}-{n}"),
+                    config=os.path.join(saved, family), dtype="bfloat16", quantize="fp8_block", group=group,
+                    progress_s=None)
+    return results
+
+
+FP8_WORLDS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def converted_fp8(saved, tmp_path_factory) -> tuple[str, list[dict]]:
+    out = str(tmp_path_factory.mktemp("converted_fp8"))
+    return out, spawn(_convert_fp8_on_subgroups, 3, saved, out, timeout_s=120)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_conversion_on_1_to_3_ranks_is_the_in_job_fp8_export_byte_for_byte(family, saved, converted_fp8,
+                                                                                 tmp_path):
+    """torchtitan saved each weight in two FSDP boxes, and this model's weights are narrower than a
+    128 x 128 block: every block spans both boxes (docs/convert.md#fp8)."""
+    out, results = converted_fp8
+    model, _ = reference_model(os.path.join(saved, family), str(tmp_path))
+    reference = in_job_export(model, str(tmp_path / "export"), dtype="bfloat16", quantize="fp8_block")
+    expected = tensors_of(reference)
+    assert any(t.dtype == torch.float8_e4m3fn for t in expected.values())
+    stored, _ = stored_model_bytes(os.path.join(saved, family, "dcp"), lambda key: in_hf_checkpoint(family, key))
+    for n in FP8_WORLDS:
+        got = tensors_of(os.path.join(out, f"{family}-{n}"))
+        assert sorted(got) == sorted(expected), n
+        for key, want in expected.items():
+            assert got[key].dtype == want.dtype, (n, key)
+            assert torch.equal(got[key].view(torch.uint8), want.view(torch.uint8)), (n, key)
+        assert sum(results[r][(family, n)].rank_bytes_read for r in range(n)) == stored, n
+        with open(os.path.join(out, f"{family}-{n}", "config.json")) as f, \
+                open(os.path.join(reference, "config.json")) as g:
+            assert json.load(f) == json.load(g), n
+    if family == "deepseek_v3":  # the command line: the same files
+        from nemo_moe_export.cli import main
+
+        cli = str(tmp_path / "cli")
+        assert main(["convert", os.path.join(saved, family, "dcp"), cli, "--config", os.path.join(saved, family),
+                     "--dtype", "bfloat16", "--quantize", "fp8_block"]) == 0
+        got = tensors_of(cli)
+        assert sorted(got) == sorted(expected)
+        assert all(got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+                   for k, v in expected.items())
 
 
 def test_the_command_line_converts_and_refuses_an_existing_output(saved, tmp_path, capsys):

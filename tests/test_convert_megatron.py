@@ -11,7 +11,9 @@ tensor for tensor (dtype and value), to the in-job export, every element covered
 with no config given, derived from ``common.pt``) and cast to bfloat16 on 3 and 4; each equal to
 the in-job export in that dtype, loadable by transformers, the ranks reading exactly the model's
 stored bytes (torch's own reading of the metadata counts them; the optimizer's never) and writing
-each byte once.
+each byte once. With ``quantize="fp8_block"`` on 1, 2 and 3 ranks: byte for byte the in-job FP8
+export of the megatron model (whose 128 x 128 blocks span the TP, expert-TP, GLU and expert boxes of
+these tiny models, all narrower than a block).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from megatron_checkpoints import CASES, checkpoint_dir, export_dir, write_checkpoints
+from megatron_checkpoints import CASES, FP8, checkpoint_dir, export_dir, write_checkpoints
 from nemo_moe_export.convert import StoredTensor, read_index, table_for
 from nemo_moe_export.convert.engine import convert_checkpoint
 from nemo_moe_export.convert.megatron import FORMAT
@@ -351,3 +353,78 @@ def test_plan_convert_predicts_the_conversions_tensors_files_and_bytes(family, m
     assert abs(report["bytes_read"] - stored_bytes) <= 0.2 * stored_bytes, (report["bytes_read"], stored_bytes)
     largest = max(math.prod(t.shape) for t in written.values()) * source_dtype.itemsize
     assert report["max_rank_bytes_read"] <= report["bytes_read"] / 3 + largest
+
+
+# --------------------------------------------------------------------------------------------------
+# FP8: convert_checkpoint(quantize="fp8_block") on 1, 2 and 3 ranks
+# --------------------------------------------------------------------------------------------------
+
+FP8_WORLDS = (1, 2, 3)
+
+
+def _convert_fp8_on_subgroups(rank: int, world: int, root: str, out: str) -> dict:
+    import torch.distributed as dist
+
+    results = {}
+    for n in FP8_WORLDS:
+        group = dist.new_group(list(range(n)))
+        for layout, family in CASES:
+            if rank < n:
+                results[(layout, family, n)] = convert_checkpoint(
+                    checkpoint_dir(root, layout, family), os.path.join(out, f"{layout}-{family}-{n}"),
+                    config=export_dir(root, layout, family), dtype="bfloat16", quantize="fp8_block", group=group,
+                    progress_s=None)
+    return results
+
+
+@pytest.fixture(scope="module")
+def converted_fp8(megatron_root, tmp_path_factory) -> tuple[str, list[dict]]:
+    out = str(tmp_path_factory.mktemp("megatron_fp8"))
+    return out, spawn(_convert_fp8_on_subgroups, 3, megatron_root, out, timeout_s=300)
+
+
+def _same_bytes(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.dtype == want.dtype and torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("layout,family", CASES, ids=CASE_IDS)
+def test_fp8_conversion_on_1_to_3_ranks_is_the_in_job_fp8_export_byte_for_byte(layout, family, megatron_root,
+                                                                                 converted_fp8):
+    out, results = converted_fp8
+    expected = _expected(megatron_root, layout, family, FP8)
+    assert {t.dtype for t in expected.values()} >= {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    stored, _ = _stored_model_bytes(checkpoint_dir(megatron_root, layout, family))
+    for n in FP8_WORLDS:
+        path = os.path.join(out, f"{layout}-{family}-{n}")
+        got = _tensors(path)
+        assert sorted(got) == sorted(expected), n
+        for key, tensor in expected.items():
+            assert _same_bytes(got[key], tensor), (n, key)
+        assert _config_json(path) == _config_json(export_dir(megatron_root, layout, family, FP8)), n
+        ranks = [results[r][(layout, family, n)] for r in range(n)]
+        assert sum(r.rank_bytes_read for r in ranks) == stored, n  # each byte read once
+        written = sum(t.numel() * t.element_size() for t in got.values())
+        assert sum(r.rank_bytes_written for r in ranks) == written == ranks[0].checkpoint_bytes, n
+
+
+def test_fp8_units_keep_the_boxes_of_a_block_on_one_rank(megatron_root):
+    """Blocks span boxes here (a unit of several boxes); each unit goes whole to one rank; every
+    box once; no rank reads more than its share and one unit."""
+    from nemo_moe_export.convert.assign import assign_units, model_chunks
+    from nemo_moe_export.convert.fp8 import fp8_layout, units_of
+    from nemo_moe_export.export.options import ExportOptions
+    from nemo_moe_export.export.plan import plan_export
+
+    index, table = _table(megatron_root, "tp2_ep2_sp", "deepseek_v3")
+    config = AutoConfig.from_pretrained(export_dir(megatron_root, "tp2_ep2_sp", "deepseek_v3"))
+    chunks = model_chunks(index, table.skipped)
+    _, layout = fp8_layout(plan_export(table.hf_metadata(index)), ExportOptions(quantize="fp8_block"), config)
+    units = units_of(chunks, table, index, layout)
+    in_order = [c for u in units for c in u]
+    assert max(len(u) for u in units) > 1 and len(in_order) == len(chunks) and set(in_order) == set(chunks)
+    largest = max(sum(c.length for c in u) for u in units)
+    total = sum(c.length for c in chunks)
+    for world in (2, 3, 5):
+        work = assign_units(units, world)
+        assert [u for share in work for u in share] == units
+        assert all(sum(c.length for u in share for c in u) <= total / world + largest for share in work)

@@ -3,7 +3,8 @@
 Pure and deterministic (docs/design.md#checkpoint-conversion): the boxes the table does not skip,
 in (file, byte offset) order, are cut into ``world`` contiguous runs of about equal bytes, so each
 rank reads a few long stretches of a few files, whatever world size saved the checkpoint; a rank's
-share is within one box of ``total / world``.
+share is within one box of ``total / world``. With FP8 block quantization the unit is a group of
+boxes instead (:func:`assign_units`): all those feeding one 128 x 128 block go to one rank.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk
 
-__all__ = ["assign_work", "model_chunks"]
+__all__ = ["assign_units", "assign_work", "model_chunks"]
 
 
 def model_chunks(index: CheckpointIndex, skipped: Callable[[str], bool]) -> list[StoredChunk]:
@@ -24,13 +25,22 @@ def model_chunks(index: CheckpointIndex, skipped: Callable[[str], bool]) -> list
 def assign_work(chunks: list[StoredChunk], world: int) -> list[list[StoredChunk]]:
     """``chunks`` (in read order) cut into ``world`` contiguous runs of about equal bytes: a box
     goes to the rank whose byte range holds the box's middle byte."""
+    return [[c for unit in units for c in unit] for units in assign_units([[c] for c in chunks], world)]
+
+
+def assign_units(units: list[list[StoredChunk]], world: int) -> list[list[list[StoredChunk]]]:
+    """``units`` (boxes that must go to one rank: FP8 blocks spanning boxes, ``convert/fp8.py``;
+    in read order of their first box) cut into ``world`` contiguous runs of about equal bytes: a
+    unit goes to the rank whose byte range holds the unit's middle byte; a rank's share is within
+    one unit of ``total / world``."""
     world = max(world, 1)
-    total = sum(c.length for c in chunks)
-    work: list[list[StoredChunk]] = [[] for _ in range(world)]
+    total = sum(c.length for unit in units for c in unit)
+    work: list[list[list[StoredChunk]]] = [[] for _ in range(world)]
     done = 0
-    for chunk in chunks:
-        middle = 2 * done + chunk.length  # twice the middle byte, to stay in integers
+    for unit in units:
+        length = sum(c.length for c in unit)
+        middle = 2 * done + length  # twice the middle byte, to stay in integers
         rank = min(world - 1, middle * world // (2 * total)) if total else 0
-        work[rank].append(chunk)
-        done += chunk.length
+        work[rank].append(unit)
+        done += length
     return work

@@ -35,7 +35,8 @@ def convert_parser() -> argparse.ArgumentParser:
                              "Megatron-LM torch_dist checkpoint whose common.pt holds its args)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         help="cast floating weights as transformers does (default: keep the stored dtypes)")
-    parser.add_argument("--quantize", choices=QUANTIZE_METHODS, help="not supported by the conversion yet")
+    parser.add_argument("--quantize", choices=QUANTIZE_METHODS,
+                        help="fp8_block: DeepSeek's FP8 block format, as the export writes it (docs/convert.md#fp8)")
     parser.add_argument("--tokenizer", help="a directory whose tokenizer files are copied beside the weights")
     parser.add_argument("--overwrite", choices=OVERWRITE_POLICIES, default="error",
                         help="an existing OUT: refuse it (error) or replace it atomically once written")

@@ -14,7 +14,9 @@ Called on every rank of ``group`` (docs/design.md#checkpoint-conversion):
                  reads a run of its boxes (``reader.py``), maps each to its HF pieces and hands
                  them to the export's writer, which writes them in place (cast through its staging
                  buffers) before the next run is read: memory is bounded by the read and staging
-                 buffers, not by the model.
+                 buffers, not by the model. With ``quantize="fp8_block"`` the boxes feeding one
+                 128 x 128 block are one unit, assigned and read whole, then quantized by the
+                 export's own FP8 code (``fp8.py``).
 """
 
 from __future__ import annotations
@@ -23,23 +25,24 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from nemo_moe_export.collectives import FINGERPRINT_WORDS, fingerprint_words
-from nemo_moe_export.convert.assign import assign_work, model_chunks
+from nemo_moe_export.convert.assign import assign_units, model_chunks
 from nemo_moe_export.convert.checks import check_shapes, hf_config_of
+from nemo_moe_export.convert.fp8 import Fp8Layout, fp8_layout, units_of, write_units
 from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk, read_index
 from nemo_moe_export.convert.reader import ReadStats, check_files, read_chunks
 from nemo_moe_export.convert.formats import recorded_config, table_for
-from nemo_moe_export.convert.tables import CheckpointTable
+from nemo_moe_export.convert.tables import CheckpointTable, meta_pieces
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export
+from nemo_moe_export.export.quantize import quantization_config
 from nemo_moe_export.export.steps import Steps, cyclic_gc_paused, run_after_validate
 from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, writer_for
 from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export_id, write_metadata_files
@@ -85,9 +88,14 @@ class _ConvertJob:
     table: CheckpointTable
     config: Any
     tokenizer: Any
-    work: list[StoredChunk]  # this rank's boxes, in read order
+    units: list[list[StoredChunk]]  # this rank's boxes, in read order, in units read whole (FP8: fp8.py)
+    fp8: Fp8Layout | None
     writer: StorageWriter
     owners: dict[str, int]
+
+    @property
+    def work(self) -> list[StoredChunk]:
+        return [c for unit in self.units for c in unit]
 
     @property
     def on_rank0(self) -> bool:
@@ -99,7 +107,8 @@ class _ConvertJob:
 
     def write_small_files(self, directory: str) -> None:
         tokenizer = None if _is_path(self.tokenizer) else self.tokenizer
-        write_metadata_files(directory, self.plan, self.config, self.options.torch_dtype, tokenizer=tokenizer)
+        write_metadata_files(directory, self.plan, self.config, self.options.torch_dtype, tokenizer=tokenizer,
+                             quantization=quantization_config(self.options))
         if _is_path(self.tokenizer):
             _copy_tokenizer(os.fspath(self.tokenizer), directory)
 
@@ -163,10 +172,6 @@ def _plan_words(plan: ExportPlan, rank: int) -> torch.Tensor:
 
 
 def _refuse_unsupported(options: ExportOptions) -> None:
-    if options.quantize is not None:
-        raise InputError("the conversion does not quantize yet", key="quantize", expected="None",
-                         actual=options.quantize,
-                         hint="convert to bf16, then quantize with the export (docs/convert.md#what-it-does-not-do-yet)")
     if options.filesystem != "shared":
         raise InputError("the conversion writes to a filesystem every rank sees", key="filesystem",
                          expected="shared", actual=options.filesystem)
@@ -188,12 +193,13 @@ def _validate(steps: Steps, src: Any, out: Any, options: ExportOptions, refused:
                                  hint="every rank must convert the same checkpoint with the same config and options")
         export_id = export_id_of(int(shared.totals[-1]))
         with steps.agreed("validate coverage", len(plan.tensors)) as shared:
-            shared.sums = element_counts(plan, _meta_pieces(local["table"], local["work"], local["index"]))
+            pieces = list(meta_pieces(local["table"], local["index"], [c for u in local["units"] for c in u]))
+            shared.sums = element_counts(plan, local["fp8"].with_scales(pieces) if local["fp8"] else pieces)
         check_coverage(plan, shared.totals)
         writer = writer_for(options, coordinator)
         plan = plan.stamped(export_id)
     return _ConvertJob(coordinator, options, local["target"].for_job(export_id), plan, local["index"], local["table"],
-                       local["config"], tokenizer, local["work"], writer, writer.file_owners(plan))
+                       local["config"], tokenizer, local["units"], local["fp8"], writer, writer.file_owners(plan))
 
 
 def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer: Any,
@@ -212,23 +218,21 @@ def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer:
     chunks = model_chunks(index, table.skipped)
     check_files(index, chunks)
     plan = conversion_plan(metadata, hf_config, options)
-    work = assign_work(chunks, max(coordinator.world_size, 1))[coordinator.rank]
-    return dict(target=target, config=hf_config, index=index, table=table, plan=plan, work=work)
+    fp8 = None
+    if options.quantize is not None:  # the export's FP8 plan; boxes feeding one block in one unit (fp8.py)
+        plan, fp8 = fp8_layout(plan, options, hf_config)
+    units = units_of(chunks, table, index, fp8) if fp8 else [[c] for c in chunks]
+    units = assign_units(units, max(coordinator.world_size, 1))[coordinator.rank]
+    return dict(target=target, config=hf_config, index=index, table=table, plan=plan, units=units, fp8=fp8)
 
 
 def conversion_plan(metadata: dict[str, Any], hf_config: Any, options: ExportOptions) -> ExportPlan:
-    """The HF checkpoint's layout for ``metadata`` (the table's HF keys): the export's plan, cast as
-    the export casts (what transformers keeps float32 for ``hf_config`` stays float32)."""
+    """The HF checkpoint's layout for ``metadata`` (the table's HF keys) before any quantization: the
+    export's plan, cast as the export casts (what transformers keeps float32 for ``hf_config`` stays
+    float32)."""
     float32 = float32_keys(fp32_patterns(options.torch_dtype, hf_config), {k: k for k in metadata})
     return plan_export(metadata, dtype=options.torch_dtype, keep_dtype=options.keep_dtype,
                        max_shard_size=options.max_shard_bytes, keep_float32=float32)
-
-
-def _meta_pieces(table: CheckpointTable, work: list[StoredChunk], index: CheckpointIndex) -> Iterator[Any]:
-    """The pieces this rank's boxes give, from meta tensors (nothing read): for the coverage check."""
-    for chunk in work:
-        box = torch.empty(chunk.sizes, dtype=index.tensors[chunk.key].dtype, device="meta")
-        yield from table.pieces(chunk.key, chunk.offsets, box)
 
 
 def _stream(job: _ConvertJob, reads: ReadStats, progress_s: float | None) -> WriteStats:
@@ -238,9 +242,12 @@ def _stream(job: _ConvertJob, reads: ReadStats, progress_s: float | None) -> Wri
     writer = job.writer.batch_writer(job.plan, job.target.partial, pinned=False)
     line = _ProgressLine(job.coordinator.rank, sum(c.length for c in job.work), progress_s)
     try:
-        for chunk, tensor in read_chunks(job.index, job.work, reads):
-            writer.write(job.table.pieces(chunk.key, chunk.offsets, tensor))
-            line.update(chunk.length)
+        if job.fp8 is not None:  # quantized once a unit is whole (fp8.py)
+            write_units(job.index, job.table, job.units, job.fp8, reads, writer.write, line.update)
+        else:
+            for chunk, tensor in read_chunks(job.index, job.work, reads):
+                writer.write(job.table.pieces(chunk.key, chunk.offsets, tensor))
+                line.update(chunk.length)
     except BaseException:
         writer.abandon()
         raise

@@ -7,14 +7,15 @@ so every rank computes the same HF metadata and pieces with no communication.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from nemo_moe_export.adapters import HFShard, TensorMeta
-from nemo_moe_export.convert.index import CheckpointIndex
+from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk
 
-__all__ = ["CheckpointTable"]
+__all__ = ["CheckpointTable", "meta_pieces"]
 
 
 @runtime_checkable
@@ -31,3 +32,10 @@ class CheckpointTable(Protocol):
     def pieces(self, key: str, offsets: tuple[int, ...], tensor: torch.Tensor) -> list[HFShard]:
         """One stored box (global offsets, its data) -> the HF pieces it holds (views of ``tensor``,
         ``primary=True``, ``source_key=key``); a box may feed several HF tensors and may be cut."""
+
+
+def meta_pieces(table: CheckpointTable, index: CheckpointIndex, chunks: Iterable[StoredChunk]) -> Iterator[HFShard]:
+    """The pieces ``chunks`` give, from meta tensors: their keys, offsets and shapes, nothing read."""
+    for chunk in chunks:
+        box = torch.empty(chunk.sizes, dtype=index.tensors[chunk.key].dtype, device="meta")
+        yield from table.pieces(chunk.key, chunk.offsets, box)

@@ -39,7 +39,8 @@ from nemo_moe_export.export.plan import ExportPlan, plan_export
 from nemo_moe_export.export.storage import StorageWriter
 from nemo_moe_export.export.writer import WriteStats
 
-__all__ = ["Fp8WriteStats", "Fp8Writer", "fp8_plan", "quantization_config", "quantize_export", "quantized_keys"]
+__all__ = ["Fp8WriteStats", "Fp8Writer", "block_ids", "crossing_block_ids", "fp8_plan", "keys_to_quantize",
+           "quantization_config", "quantize_export", "quantize_whole_blocks", "quantized_keys", "scale_pieces"]
 
 
 def quantization_config(options: ExportOptions) -> dict[str, Any] | None:
@@ -53,10 +54,17 @@ def quantization_config(options: ExportOptions) -> dict[str, Any] | None:
 
 
 def quantized_keys(plan: ExportPlan, adapter: StateDictAdapter, options: ExportOptions) -> frozenset[str]:
-    """The planned keys written as FP8: those matching ``options.quantize_keys`` (default: the model
-    family's ``fp8_weights``), except keys matching ``keep_dtype``. Each must be a 2-D floating
-    tensor; a pattern that matches anything else, or nothing at all, is refused."""
-    patterns = [re.compile(p) for p in (options.quantize_keys or _family_patterns(adapter))]
+    """The planned keys written as FP8 (:func:`keys_to_quantize`), by ``adapter``'s table and config."""
+    return keys_to_quantize(plan, options, adapter.config, adapter.table.fp8_weights)
+
+
+def keys_to_quantize(plan: ExportPlan, options: ExportOptions, config: Any,
+                     declared: tuple[str, ...] = ()) -> frozenset[str]:
+    """The planned keys written as FP8: those matching ``options.quantize_keys`` (default: the
+    patterns a table ``declared``, else the ``fp8_weights`` of ``config``'s model family), except
+    keys matching ``keep_dtype``. Each must be a 2-D floating tensor; a pattern that matches
+    anything else, or nothing at all, is refused."""
+    patterns = [re.compile(p) for p in (options.quantize_keys or declared or _family_patterns(config))]
     keep = [re.compile(p) for p in options.keep_dtype]
     keys = set()
     for key, planned in plan.tensors.items():
@@ -74,12 +82,10 @@ def quantized_keys(plan: ExportPlan, adapter: StateDictAdapter, options: ExportO
     return frozenset(keys)
 
 
-def _family_patterns(adapter: StateDictAdapter) -> tuple[str, ...]:
-    """The table's ``fp8_weights``; a table in another framework's names (megatron-core) writes the
-    family's HF keys, so the family's transformers table answers for it."""
-    if adapter.table.fp8_weights:
-        return adapter.table.fp8_weights
-    config = adapter.config
+def _family_patterns(config: Any) -> tuple[str, ...]:
+    """The ``fp8_weights`` of ``config``'s model family: a table in another framework's names
+    (megatron-core) or the conversion's key tables write the family's HF keys, so the family's
+    transformers table answers for them."""
     model_type = config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
     try:
         patterns = get_table(str(model_type)).fp8_weights
@@ -286,7 +292,7 @@ def _owned_scales(blocks: _Blocks) -> tuple[range, range]:
     return range(-(-r0 // b0), -(-(r0 + h) // b0)), range(-(-c0 // b1), -(-(c0 + w) // b1))
 
 
-def _block_ids(keys: Collection[str], plan: ExportPlan) -> dict[str, tuple[int, int]]:
+def block_ids(keys: Collection[str], plan: ExportPlan) -> dict[str, tuple[int, int]]:
     """``{key: (first id, grid columns)}``: every block of every quantized key numbered once, in the
     plan's key order, the same on every rank."""
     ids, start = {}, 0
@@ -305,27 +311,52 @@ def _crossing(b: _Blocks) -> tuple[torch.Tensor, torch.Tensor]:
     return outside.nonzero(as_tuple=True)
 
 
+def _crossing_ids(b: _Blocks, ids: Mapping[str, tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``b``'s blocks that cross its share's edge lie in the rank's flat arrays, and their
+    ids (:func:`block_ids`)."""
+    r, c = _crossing(b)
+    first, cols = ids[b.share.key]
+    return b.start + r * b.grid[1] + c, first + (r + b.first[0]) * cols + c + b.first[1]
+
+
+def crossing_block_ids(share: HFShard, ids: Mapping[str, tuple[int, int]]) -> list[int]:
+    """The ids (:func:`block_ids`) of the blocks that cross ``share``'s edge: those it shares with
+    the other shares of its key (a meta tensor will do: only its offsets and shape are read)."""
+    return _crossing_ids(_blocks_of(share), ids)[1].tolist()
+
+
+def _boundary(blocks: list[_Blocks], ids: Mapping[str, tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every boundary block of ``blocks``: its place in the flat arrays, and its id."""
+    local, mine = [], []
+    for b in (b for b in blocks if b.boundary):
+        where, block = _crossing_ids(b, ids)
+        local.append(where)
+        mine.append(block)
+    return (torch.cat(local) if local else torch.zeros(0, dtype=torch.int64),
+            torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64))
+
+
+def _combine(amax: torch.Tensor, local_t: torch.Tensor, mine_t: torch.Tensor, every_id: torch.Tensor,
+             every_value: torch.Tensor) -> None:
+    """Each boundary block of ours (``local_t``, ids ``mine_t``) gets, in ``amax``, the max of the
+    partial amaxes ``every_value`` of its id in ``every_id``."""
+    if not mine_t.numel():
+        return
+    unique, where = torch.unique(mine_t, return_inverse=True)
+    pos = torch.searchsorted(unique, every_id).clamp_(max=unique.numel() - 1)
+    hit = unique[pos] == every_id
+    amax[local_t] = torch.zeros(unique.numel()).scatter_reduce_(0, pos[hit], every_value[hit], "amax")[where]
+
+
 def _exchange(blocks: list[_Blocks], amax: torch.Tensor, ids: dict[str, tuple[int, int]], coordinator: Any,
               facts: Any) -> list[Any]:
     """Combine the partial amaxes of boundary blocks over the export group: one all-gather of
     ``(block ids, amaxes)``, after which each of this rank's boundary blocks holds, in the flat
     ``amax``, the max over every rank holding part of it. Only shares with such blocks take part
     (none, for whole-block shares). ``facts`` (small per-rank numbers) travel along; returns every rank's."""
-    local, mine = [], []  # each boundary block's place in ``amax``, and its id
-    for b in (b for b in blocks if b.boundary):
-        r, c = _crossing(b)
-        first, cols = ids[b.share.key]
-        local.append(b.start + r * b.grid[1] + c)
-        mine.append(first + (r + b.first[0]) * cols + c + b.first[1])
-    local_t = torch.cat(local) if local else torch.zeros(0, dtype=torch.int64)
-    mine_t = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.int64)
+    local_t, mine_t = _boundary(blocks, ids)
     gathered = coordinator.all_gather((mine_t, amax[local_t], facts))
-    if mine_t.numel():
-        every_id, every_value = torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered])
-        unique, where = torch.unique(mine_t, return_inverse=True)
-        pos = torch.searchsorted(unique, every_id).clamp_(max=unique.numel() - 1)
-        hit = unique[pos] == every_id
-        amax[local_t] = torch.zeros(unique.numel()).scatter_reduce_(0, pos[hit], every_value[hit], "amax")[where]
+    _combine(amax, local_t, mine_t, torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered]))
     return [g[2] for g in gathered]
 
 
@@ -355,6 +386,32 @@ def _scale_share(blocks: _Blocks) -> HFShard | None:
                    share.source_key, share.expert)
 
 
+def scale_pieces(shares: list[HFShard]) -> list[HFShard]:
+    """The scale pieces ``shares`` write (their owned blocks, :func:`_owned_scales`) as meta
+    tensors: shapes only, for a coverage check before anything is read."""
+    pieces = []
+    for b in map(_blocks_of, shares):
+        b.scale = torch.empty(b.grid, dtype=torch.float32, device="meta")
+        pieces.append(_scale_share(b))
+    return [p for p in pieces if p is not None]
+
+
+def quantize_whole_blocks(shares: list[HFShard], ids: Mapping[str, tuple[int, int]], scale_fmt: str | None,
+                          staging_bytes: int) -> Iterator[list[HFShard]]:
+    """``shares`` that together hold every element of every block they touch (the conversion's
+    units, docs/design.md#checkpoint-conversion), quantized as the export does but with no
+    exchange: their boundary blocks' amaxes combined among themselves; yields their scale pieces,
+    then their FP8 rows in batches of at most ``staging_bytes``."""
+    blocks = [_blocks_of(s) for s in shares]
+    amax = _amaxes(blocks, _runs(blocks))
+    local_t, mine_t = _boundary(blocks, ids)
+    _combine(amax, local_t, mine_t, mine_t, amax[local_t])
+    _set_scales(blocks, amax, scale_fmt)
+    yield [s for s in map(_scale_share, blocks) if s is not None]
+    for batch in _batches(blocks, staging_bytes):
+        yield [_quantized_rows(*rows) for rows in batch]
+
+
 # --------------------------------------------------------------------------------------------------
 # The one call from the export's validate step
 # --------------------------------------------------------------------------------------------------
@@ -381,7 +438,7 @@ def quantize_export(steps: Any, options: ExportOptions, adapter: StateDictAdapte
         batches = _batches(blocks, options.staging_bytes)
         owned = sum(len(r) * len(c) for r, c in map(_owned_scales, blocks))
     started = time.perf_counter()
-    facts = _exchange(blocks, amax, _block_ids(keys, quantized), steps.coordinator, (len(batches), owned))
+    facts = _exchange(blocks, amax, block_ids(keys, quantized), steps.coordinator, (len(batches), owned))
     stats.exchange_seconds = round(time.perf_counter() - started, 4)
     stats.boundary_blocks = sum(b.boundary for b in blocks)
     _check_scale_coverage(quantized, keys, sum(n for _, n in facts))
