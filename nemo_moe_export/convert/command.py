@@ -14,7 +14,7 @@ import sys
 
 import torch.distributed as dist
 
-from nemo_moe_export.convert.engine import convert_checkpoint
+from nemo_moe_export.convert.engine import PROGRESS_S, convert_checkpoint
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import OVERWRITE_POLICIES, QUANTIZE_METHODS, ExportOptions
 from nemo_moe_export.job.torchrun import run_torchrun
@@ -38,23 +38,19 @@ def convert_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize", choices=QUANTIZE_METHODS,
                         help="fp8_block: DeepSeek's FP8 block format, as the export writes it (docs/convert.md#fp8)")
     parser.add_argument("--tokenizer", help="a directory whose tokenizer files are copied beside the weights")
-    parser.add_argument("--overwrite", choices=OVERWRITE_POLICIES, default="error",
+    parser.add_argument("--overwrite", choices=OVERWRITE_POLICIES, default=ExportOptions.overwrite,
                         help="an existing OUT: refuse it (error) or replace it atomically once written")
-    parser.add_argument("--max-shard-size", default=None, help="per output file, as transformers' (default 5GB)")
+    parser.add_argument("--max-shard-size", default=ExportOptions.max_shard_size,
+                        help=f"per output file, as transformers' (default {ExportOptions.max_shard_size})")
     parser.add_argument("--nproc", type=int, default=None, help="start N local ranks (torchrun); under torchrun, omit")
-    parser.add_argument("--progress-s", type=float, default=None,
-                        help="seconds between two progress lines of a rank (default 10)")
+    parser.add_argument("--progress-s", type=float, default=PROGRESS_S,
+                        help=f"seconds between two progress lines of a rank (default {PROGRESS_S:g})")
     return parser
 
 
 def _options(args: argparse.Namespace) -> dict:
-    options = dict(config=args.config, dtype=args.dtype, quantize=args.quantize, tokenizer=args.tokenizer,
-                   overwrite=args.overwrite)
-    if args.max_shard_size is not None:
-        options["max_shard_size"] = args.max_shard_size
-    if args.progress_s is not None:
-        options["progress_s"] = args.progress_s
-    return options
+    return dict(config=args.config, dtype=args.dtype, quantize=args.quantize, tokenizer=args.tokenizer,
+                overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress_s=args.progress_s)
 
 
 def convert_main(argv: list[str]) -> int:
