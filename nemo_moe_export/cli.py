@@ -271,9 +271,10 @@ def _plan_parser() -> argparse.ArgumentParser:
     convert.add_argument("--convert", action="store_true",
                          help="predict `nemo-moe-export convert` of a checkpoint of this model on --world CPU ranks")
     convert.add_argument("--source-dtype", default="bfloat16", help="the checkpoint's weights' dtype (bfloat16)")
-    convert.add_argument("--read-bandwidth", type=_bandwidth, default=2e9, help="read bandwidth of one node (2GB)")
-    convert.add_argument("--decode-bandwidth", type=_bandwidth, default=1e9,
-                         help="bytes/s one rank decodes and casts (1GB)")
+    convert.add_argument("--read-bandwidth", type=_bandwidth, default=ConversionModel().read_bandwidth,
+                         help="read bandwidth of one node (2GB)")
+    convert.add_argument("--decode-bandwidth", type=_bandwidth, default=ConversionModel().decode_bandwidth,
+                         help="bytes/s one rank decodes and casts (600MB: benchmarks/convert_bench.py, one rank)")
     return parser
 
 

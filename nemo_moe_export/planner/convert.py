@@ -46,7 +46,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.*)")
 class ConversionModel:
     """The stated assumptions of the conversion's time (module docstring), bytes per second."""
 
-    def __init__(self, read_bandwidth: float = 2e9, write_bandwidth: float = 2e9, decode_bandwidth: float = 1e9,
+    def __init__(self, read_bandwidth: float = 2e9, write_bandwidth: float = 2e9, decode_bandwidth: float = 6e8,
                  ranks_per_node: int = 16) -> None:
         self.read_bandwidth, self.write_bandwidth = read_bandwidth, write_bandwidth
         self.decode_bandwidth, self.ranks_per_node = decode_bandwidth, ranks_per_node
