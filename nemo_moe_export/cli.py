@@ -295,24 +295,24 @@ def plan_main(argv: list[str]) -> int:
     return 0
 
 
+def _plan_target(args: Any) -> Any:
+    """What ``plan`` plans: a recipe (with its overrides), an HF config or a preset."""
+    if args.recipe:
+        return from_recipe(args.recipe, args.overrides, args.config_dir)
+    return (from_config_file if args.config else from_preset)(args.config or args.model_preset, ParallelConfig(),
+                                                               ExportOptions())
+
+
 def _conversion_report(args: Any) -> dict:
     """``plan --convert``: the conversion's bytes per rank and time (planner/convert.py)."""
-    if args.recipe:
-        target = from_recipe(args.recipe, args.overrides, args.config_dir)
-    else:
-        target = (from_config_file if args.config else from_preset)(args.config or args.model_preset,
-                                                                     ParallelConfig(), ExportOptions())
+    target = _plan_target(args)
     model = ConversionModel(args.read_bandwidth, args.node_bandwidth, args.decode_bandwidth, args.ranks_per_node)
     return plan_conversion(target.config, args.world, model, source_dtype=parse_dtype(args.source_dtype),
                            dtype=args.dtype or "bfloat16")
 
 
 def _plan_report(args: Any) -> dict:
-    if args.recipe:
-        target = from_recipe(args.recipe, args.overrides, args.config_dir)
-    else:
-        target = (from_config_file if args.config else from_preset)(args.config or args.model_preset,
-                                                                     ParallelConfig(), ExportOptions())
+    target = _plan_target(args)
     parallel = replace(target.parallel, strategy=args.strategy or target.parallel.strategy)
     if args.replicate:
         parallel = replace(parallel, replicate=args.replicate)

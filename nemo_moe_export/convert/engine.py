@@ -43,7 +43,7 @@ from nemo_moe_export.export.casting import float32_keys, fp32_patterns
 from nemo_moe_export.export.options import ExportOptions
 from nemo_moe_export.export.plan import ExportPlan, check_coverage, element_counts, plan_export
 from nemo_moe_export.export.quantize import quantization_config
-from nemo_moe_export.export.steps import Steps, cyclic_gc_paused, run_after_validate
+from nemo_moe_export.export.steps import StepJob, Steps, cyclic_gc_paused, run_after_validate
 from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, writer_for
 from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export_id, write_metadata_files
 from nemo_moe_export.export.writer import WriteStats
@@ -77,7 +77,7 @@ class ConvertResult:
 
 
 @dataclass(frozen=True)
-class _ConvertJob:
+class _ConvertJob(StepJob):
     """A validated conversion: what the export's steps after validate read (``steps.StepJob``)."""
 
     coordinator: Coordinator
@@ -96,14 +96,6 @@ class _ConvertJob:
     @property
     def work(self) -> list[StoredChunk]:
         return [c for unit in self.units for c in unit]
-
-    @property
-    def on_rank0(self) -> bool:
-        return self.coordinator.rank == 0
-
-    def my_files(self) -> list[str]:
-        me = self.coordinator.global_rank(self.coordinator.rank)
-        return [name for name, owner in self.owners.items() if owner == me]
 
     def write_small_files(self, directory: str) -> None:
         tokenizer = None if _is_path(self.tokenizer) else self.tokenizer

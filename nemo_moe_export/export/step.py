@@ -57,7 +57,7 @@ from nemo_moe_export.export.stages import (Catalogue, catalogue_of, check_declar
                                            tied_pairs)
 from nemo_moe_export.export.storage import SharedFilesystemWriter, StorageWriter, check_writer_ranks, writer_for
 from nemo_moe_export.export.target import ExportTarget, export_id_of, new_export_id, write_metadata_files
-from nemo_moe_export.export.steps import Steps, cyclic_gc_paused, run_after_validate
+from nemo_moe_export.export.steps import StepJob, Steps, cyclic_gc_paused, run_after_validate
 from nemo_moe_export.export.writer import WriteStats
 from nemo_moe_export.hooks import Hook, RecipeContext
 from nemo_moe_export.parallel import Coordinator, RankGroup
@@ -109,7 +109,7 @@ class _Inputs:
 
 
 @dataclass(frozen=True)
-class _Job:
+class _Job(StepJob):
     """What the steps after ``validate`` work from: the same on every rank except ``pieces``."""
 
     coordinator: Coordinator
@@ -121,14 +121,6 @@ class _Job:
     writer: StorageWriter
     owners: dict[str, int]  # file -> global rank that creates it
     replicas: ReplicaReport = field(default_factory=ReplicaReport)
-
-    @property
-    def on_rank0(self) -> bool:
-        return self.coordinator.rank == 0
-
-    def my_files(self) -> list[str]:
-        me = self.coordinator.global_rank(self.coordinator.rank)
-        return [name for name, owner in self.owners.items() if owner == me]
 
     def write_small_files(self, directory: str) -> None:
         """Rank 0's files beside the tensors: index, config.json, generation config, tokenizer."""

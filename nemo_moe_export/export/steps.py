@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -75,21 +74,27 @@ class Steps:
             yield
 
 
-class StepJob(Protocol):
-    """What the steps after validate read of a validated job (the same on every rank)."""
+class StepJob:
+    """What the steps after validate read of a validated job (the same on every rank): the export's
+    and the conversion's jobs are dataclasses of these fields and this base."""
 
     coordinator: Coordinator
     options: ExportOptions
     target: ExportTarget
     plan: ExportPlan
+    owners: dict[str, int]  # file -> global rank that creates it
 
     @property
-    def on_rank0(self) -> bool: ...
+    def on_rank0(self) -> bool:
+        return self.coordinator.rank == 0
 
-    def my_files(self) -> list[str]: ...
+    def my_files(self) -> list[str]:
+        me = self.coordinator.global_rank(self.coordinator.rank)
+        return [name for name, owner in self.owners.items() if owner == me]
 
     def write_small_files(self, directory: str) -> None:
         """Rank 0's files beside the tensors: index, config.json, generation config, tokenizer."""
+        raise NotImplementedError
 
 
 @contextmanager
