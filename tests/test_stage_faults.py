@@ -228,8 +228,9 @@ def _run_chain(keys: list[tuple], tmp: Path) -> dict:
 def launched(request, tmp_path_factory):
     """Every case the session selected, started in the background ``JOBS`` at a time, in the tests'
     order (each test waits for its own): by key, the future of its chain's Cases (``_run_chain``)."""
-    keys = [(*item.callspec.params["case"], item.callspec.params["recipe"])
-            for item in request.session.items if getattr(item, "callspec", None) and "case" in item.callspec.params]
+    keys = [(*item.callspec.params["case"], item.callspec.params["recipe"])  # this module's cases only
+            for item in request.session.items if getattr(item, "module", None) is request.module
+            and getattr(item, "callspec", None) and "case" in item.callspec.params]
     pool = ThreadPoolExecutor(max_workers=JOBS)
     futures = {}
     for chain in _chains(keys):

@@ -12,8 +12,6 @@ import json
 import os
 import sys
 
-import torch.distributed as dist
-
 from nemo_moe_export.convert.engine import PROGRESS_S, convert_checkpoint
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import OVERWRITE_POLICIES, QUANTIZE_METHODS, ExportOptions
@@ -84,9 +82,9 @@ def _convert_here(args: argparse.Namespace) -> int:
         if rank0:
             print(f"nemo-moe-export: error: {refused}", file=sys.stderr, flush=True)
         return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    # As the recipe ends: finished at once (rank 0 ending first must not read as a failure to this
+    # rank's watchdog), and the process group left to the exit (destroying it while the watchdog's
+    # store connection waits could end a rank in std::terminate: seen once, as status -6).
     finished()
     if rank0:
         print(json.dumps(dict(path=result.path, format=result.format, files=result.files, tensors=result.tensors,
