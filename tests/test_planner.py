@@ -157,14 +157,15 @@ class _CollectiveLog:
     def __enter__(self):
         import torch.distributed as dist
 
-        from nemo_moe_export import collectives, parallel
+        from nemo_moe_export import collectives
+        from nemo_moe_export.parallel import coordinator
 
         collectives._GROUPS.clear()  # every export here is its job's first: it makes its gloo groups
         self.calls, self.saved = [], {n: getattr(dist, n) for n in self.NAMES}
         for name, fn in self.saved.items():
             setattr(dist, name, self._logged(name, fn))
-        self.butterfly = parallel.butterfly_all_reduce  # the Coordinator's all-reduce (point-to-point sends)
-        parallel.butterfly_all_reduce = self._logged("butterfly", self.butterfly)
+        self.butterfly = coordinator.butterfly_all_reduce  # the Coordinator's all-reduce (point-to-point sends)
+        coordinator.butterfly_all_reduce = self._logged("butterfly", self.butterfly)
         return self
 
     def _logged(self, name, fn):
@@ -186,11 +187,11 @@ class _CollectiveLog:
     def __exit__(self, *exc):
         import torch.distributed as dist
 
-        from nemo_moe_export import parallel
+        from nemo_moe_export.parallel import coordinator
 
         for name, fn in self.saved.items():
             setattr(dist, name, fn)
-        parallel.butterfly_all_reduce = self.butterfly
+        coordinator.butterfly_all_reduce = self.butterfly
 
 
 def _real_exports(world, workdir):
