@@ -21,6 +21,8 @@ from nemo_moe_export.watchdog import finished, report_job_failure, watch_job
 
 __all__ = ["convert_main", "convert_parser", "without_nproc"]
 
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nemo_moe_export/
+
 
 def convert_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-moe-export convert",
@@ -82,15 +84,25 @@ def _convert_here(args: argparse.Namespace) -> int:
         if rank0:
             print(f"nemo-moe-export: error: {refused}", file=sys.stderr, flush=True)
         return 1
-    # As the recipe ends: finished at once (rank 0 ending first must not read as a failure to this
-    # rank's watchdog), and the process group left to the exit (destroying it while the watchdog's
-    # store connection waits could end a rank in std::terminate: seen once, as status -6).
-    finished()
+    finished()  # rank 0 ending first must not read as a failure to this rank's watchdog
     if rank0:
         print(json.dumps(dict(path=result.path, format=result.format, files=result.files, tensors=result.tensors,
                               source_bytes=result.source_bytes, checkpoint_bytes=result.checkpoint_bytes,
                               seconds=result.seconds, rank0_bytes_read=result.rank_bytes_read)))
+    if _is_the_command():
+        # End here, as the watchdog ends a rank: the interpreter's own exit tears down the gloo group
+        # and the watchdog's store connection while their threads still wait, which ended launched
+        # ranks in std::terminate (status -6) after a successful conversion.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
+
+def _is_the_command() -> bool:
+    """This process is ``nemo-moe-export`` itself (a launched rank), not a caller of ``main`` in-process."""
+    argv0 = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return os.path.basename(argv0) == "nemo-moe-export" or argv0 == os.path.join(_PACKAGE_DIR, "__main__.py")
 
 
 def _refused_input(exc: BaseException) -> BaseException | None:
