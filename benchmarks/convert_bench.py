@@ -39,6 +39,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from export_methods import status_mib  # noqa: E402
 from output import emit  # noqa: E402
 
 SAVE_WORLD = 4
@@ -82,24 +83,15 @@ def _io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(": ") for line in f)}
 
 
-def _status_mib(field: str) -> float:
-    """A memory line of /proc/self/status (VmRSS: now, VmHWM: peak), in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def _measured(body) -> dict:
     """Run ``body()`` in this process; its seconds, bytes read / written, RSS before it and peak RSS."""
-    baseline = _status_mib("VmRSS")
+    baseline = status_mib("VmRSS")
     before, started = _io(), time.perf_counter()
     body()
     after = _io()
     return dict(seconds=time.perf_counter() - started, read=after["rchar"] - before["rchar"],
                 written=after["wchar"] - before["wchar"], baseline_rss_mib=round(baseline, 1),
-                peak_rss_mib=round(_status_mib("VmHWM"), 1))
+                peak_rss_mib=round(status_mib("VmHWM"), 1))
 
 
 def _ranks(world: int, target, *args) -> list[dict]:

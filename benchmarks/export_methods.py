@@ -25,10 +25,10 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["measure_exports", "summarize"]
+__all__ = ["measure_exports", "status_mib", "summarize"]
 
 
-def _status_mib(field: str) -> float:
+def status_mib(field: str) -> float:
     """A memory line of /proc/self/status (VmRSS: now, VmHWM: peak since the last reset), in MiB."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -73,7 +73,7 @@ def measured_run(fn: Any, cuda: bool) -> tuple[Any, float, float, float | None]:
     os.sync()
     dist.barrier()
     _reset_hwm()
-    rss0 = _status_mib("VmRSS")
+    rss0 = status_mib("VmRSS")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -84,7 +84,7 @@ def measured_run(fn: Any, cuda: bool) -> tuple[Any, float, float, float | None]:
         torch.cuda.synchronize()
     dist.barrier()
     seconds = time.perf_counter() - t0
-    rss = max(0.0, _status_mib("VmHWM") - rss0)
+    rss = max(0.0, status_mib("VmHWM") - rss0)
     gpu = (torch.cuda.max_memory_allocated() - gpu0) / 2**20 if cuda else None
     return out, seconds, rss, gpu
 
