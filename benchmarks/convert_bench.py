@@ -12,6 +12,20 @@ One run, one checkpoint, side by side (docs/convert.md#benchmark):
 * ``per_key``        torchtitan's ``convert_to_hf_incremental.py`` route: one ``dcp.load`` per key
                      (a planning pass and a read each), tensors held until an output file is whole,
                      the file layout taken from an existing HF index (ours, for the same files);
+* ``dcp_consolidate`` torch's own consolidation of HF-keyed safetensors shards
+                     (``consolidate_safetensors_files`` of ``torch.distributed.checkpoint``, our
+                     file layout, the threads ``whole`` gives it): the same weights saved as
+                     AutoModel's ``model_save_format: safetensors`` saves them (DCP's
+                     ``HuggingFaceStorageWriter``, ``save_distributed``, ``Shard(0)`` on 4 ranks),
+                     then consolidated. It copies the stored bytes and cannot cast, so it writes
+                     float32 (its row says so). It applies only to the HF-keyed source: a torchtitan
+                     checkpoint holds no HF-keyed safetensors shards, and the same consolidation
+                     already runs inside ``whole``, so its row there is marked skipped;
+* ``model_export``   the checkpoint loaded into the model, then our in-job export: the transformers
+                     model built from the HF config on CPU (float32), ``dcp.load`` of the HF-keyed
+                     state dict (for torchtitan's checkpoint its model's, then the adapter's
+                     ``to_hf``, as ``whole`` does), the project's adapter's ``from_hf`` into the
+                     model, then ``export_hf_checkpoint`` on 1 rank in bf16;
 * ``disk``           the disk's own cost for the same bytes: the model's stored bytes read
                      sequentially, the HF checkpoint's bytes written and fsynced.
 
@@ -23,7 +37,10 @@ only the model's keys). Where torchtitan does not import (its 0.3.0 needs torch 
 (its ``to_hf`` renames and splits views: no I/O). Before each run the source's pages are dropped
 from the page cache (``posix_fadvise(DONTNEED)`` after ``sync``), so every route reads from the
 disk. Per route: seconds (wall time of the route's processes), bytes read and written
-(``/proc/<pid>/io`` ``rchar`` / ``wchar``, every rank summed), peak RSS per rank (``VmHWM``). Needs torchtitan 0.3.0 importable.
+(``/proc/<pid>/io`` ``rchar`` / ``wchar``, every rank summed), peak RSS per rank (``VmHWM``), and
+``output_check``: each route's ``.safetensors`` files hold the keys, shapes and dtypes of ours
+(headers only). torchtitan 0.3.0 is imported from ``$NEMO_MOE_EXPORT_TORCHTITAN_PATH`` (the
+folder ``make setup-torchtitan`` fills, as the tests find it) or from ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -39,10 +56,15 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+if os.path.isdir(os.path.join(os.environ.get("NEMO_MOE_EXPORT_TORCHTITAN_PATH", ""), "torchtitan")):
+    sys.path.append(os.environ["NEMO_MOE_EXPORT_TORCHTITAN_PATH"])  # the route processes import this module too
 from export_methods import status_mib  # noqa: E402
 from output import emit  # noqa: E402
 
 SAVE_WORLD = 4
+CONSOLIDATION_THREADS = 5  # torchtitan's convert_to_hf.py gives DCP's consolidation 5 threads
+ROUTES = ("whole", "per_key", "dcp_consolidate", "model_export", "disk")
+BASELINES = ("ours", "disk")  # every other route is an alternative a user would pick
 VOCAB, DIM, EXPERTS, MOE_HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 32000, 1024, 32, 512, 16, 4, 64
 
 
@@ -143,11 +165,10 @@ def _save_rank(rank: int, world: int, directory: str, layers: int) -> dict:
     return {}
 
 
-def _save_hf_rank(rank: int, world: int, directory: str, layers: int) -> dict:
-    """The HF-keyed checkpoint AutoModel saves (``model_save_format: torch_save``): every HF tensor of
-    the model as a DTensor, ``Shard(0)`` over the ranks (``torch.chunk``'s rows), saved with DCP."""
+def _hf_state_dict(rank: int, world: int, layers: int) -> dict:
+    """Every HF tensor of the model as a DTensor, ``Shard(0)`` over the ranks (``torch.chunk``'s
+    rows), as AutoModel holds them; the same values for the same rank whichever format saves them."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -161,7 +182,25 @@ def _save_hf_rank(rank: int, world: int, directory: str, layers: int) -> dict:
         local = (rows[rank].shape[0] if rank < len(rows) else 0, *meta.shape[1:])
         state[key] = DTensor.from_local(torch.empty(local).normal_(0, 0.02), mesh, [Shard(0)],
                                         shape=torch.Size(meta.shape), stride=torch.empty(meta.shape, device="meta").stride())
-    dcp.save(state, checkpoint_id=directory)
+    return state
+
+
+def _save_hf_rank(rank: int, world: int, directory: str, layers: int) -> dict:
+    """The HF-keyed checkpoint AutoModel saves with ``model_save_format: torch_save`` (DCP's files)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_hf_state_dict(rank, world, layers), checkpoint_id=directory)
+    return {}
+
+
+def _save_hf_shards_rank(rank: int, world: int, directory: str, layers: int) -> dict:
+    """The same weights as AutoModel saves them with ``model_save_format: safetensors`` unconsolidated:
+    DCP's HF writer, every rank its own safetensors shard (the input of DCP's consolidation)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dcp.save(_hf_state_dict(rank, world, layers),
+             storage_writer=HuggingFaceStorageWriter(path=directory, save_distributed=True))
     return {}
 
 
@@ -184,6 +223,17 @@ def make_checkpoint(work: str, size_gb: float, source: str) -> tuple[str, str, i
         _ranks(SAVE_WORLD, _save_rank if source == "torchtitan" else _save_hf_rank, src, layers)
         _hf_config(layers).save_pretrained(config)
     return src, config, layers
+
+
+def make_hf_shards(src: str, layers: int) -> str:
+    """The HF-keyed checkpoint's weights as safetensors shards beside it (cached): ``dcp_consolidate``'s input."""
+    shards = os.path.join(os.path.dirname(src), "hf_shards")
+    done = os.path.join(shards, ".complete")
+    if not os.path.exists(done):
+        shutil.rmtree(shards, ignore_errors=True)
+        _ranks(SAVE_WORLD, _save_hf_shards_rank, shards, layers)
+        open(done, "w").close()
+    return shards
 
 
 # ---- the routes --------------------------------------------------------------------------------
@@ -229,6 +279,17 @@ def _adapter(layers: int, assets: str, source: str):
     return empty, (lambda state: state), fqn_to_index
 
 
+def _loaded_hf(src: str, layers: int, assets: str, source: str) -> tuple[dict, dict]:
+    """(the whole checkpoint loaded in this process and keyed by HF names, the HF file of each key):
+    the state dict to load into, ``dcp.load`` of all of it, ``to_hf``."""
+    import torch.distributed.checkpoint as dcp
+
+    template, to_hf, fqn_to_index = _adapter(layers, assets, source)
+    state_dict = template(src)
+    dcp.load(state_dict, checkpoint_id=src, no_dist=True)
+    return to_hf(state_dict), fqn_to_index
+
+
 def _whole(src: str, out: str, layers: int, assets: str, source: str) -> dict:
     """torchtitan's convert_to_hf.py, as the wheel's parts allow (the script is not in the wheel):
     the whole state dict loaded in one process, ``to_hf``, cast, DCP's HF writer with consolidation."""
@@ -238,13 +299,49 @@ def _whole(src: str, out: str, layers: int, assets: str, source: str) -> dict:
 
     def run() -> None:
         with torch.inference_mode():
-            template, to_hf, fqn_to_index = _adapter(layers, assets, source)
-            state_dict = template(src)
-            dcp.load(state_dict, checkpoint_id=src, no_dist=True)
-            hf = {k: v.to(torch.bfloat16) for k, v in to_hf(state_dict).items()}
+            loaded, fqn_to_index = _loaded_hf(src, layers, assets, source)
+            hf = {k: v.to(torch.bfloat16) for k, v in loaded.items()}
             dcp.save(hf, storage_writer=HuggingFaceStorageWriter(
                 path=out, save_distributed=True, fqn_to_index_mapping=fqn_to_index,
-                enable_consolidation=True, thread_count_consolidation=5), no_dist=True)
+                enable_consolidation=True, thread_count_consolidation=CONSOLIDATION_THREADS), no_dist=True)
+
+    return _measured(run)
+
+
+def _dcp_consolidate(shards: str, out: str, assets: str) -> dict:
+    """torch's own consolidation of HF-keyed safetensors shards into our file layout (it copies the
+    stored bytes: no cast, so float32 out)."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+
+    def run() -> None:
+        mapping = json.load(open(os.path.join(assets, "model.safetensors.index.json")))["weight_map"]
+        os.makedirs(out, exist_ok=True)  # it writes into the folder, not creating it
+        consolidate_safetensors_files(shards, out, {k: int(v.split("-")[1]) for k, v in mapping.items()},
+                                      num_threads=CONSOLIDATION_THREADS)
+
+    return _measured(run)
+
+
+def _model_export_rank(rank: int, world: int, src: str, out: str, layers: int, assets: str, source: str,
+                       config: str, max_shard_size: str) -> dict:
+    """The checkpoint loaded into the transformers model (``dcp.load``, ``to_hf`` where torchtitan's,
+    the adapter's ``from_hf``), then ``export_hf_checkpoint`` in bf16."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from nemo_moe_export.adapters import get_adapter
+    from nemo_moe_export.export.step import export_hf_checkpoint
+
+    def run() -> None:
+        hf_config = AutoConfig.from_pretrained(config)
+        with torch.device("meta"):  # the weights come from the checkpoint: no initialisation
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            loaded, _ = _loaded_hf(src, layers, assets, source)
+            get_adapter(hf_config).from_hf(model.state_dict(), loaded)
+            del loaded
+        export_hf_checkpoint(out, model, dtype="bfloat16", max_shard_size=max_shard_size)
 
     return _measured(run)
 
@@ -350,8 +447,15 @@ def _child(route: str, args: dict) -> None:
         ranks = [_whole(args["src"], args["out"], args["layers"], args["assets"], args["source"])]
     elif route == "per_key":
         ranks = [_per_key(args["src"], args["out"], args["layers"], args["assets"], args["source"])]
-    else:
+    elif route == "dcp_consolidate":
+        ranks = [_dcp_consolidate(args["src"], args["out"], args["assets"])]
+    elif route == "model_export":
+        ranks = _ranks(1, _model_export_rank, args["src"], args["out"], args["layers"], args["assets"],
+                       args["source"], args["config"], args["max_shard_size"])
+    elif route == "disk":
         ranks = [_disk(args["src"], args["out"], args["write_bytes"])]
+    else:
+        raise SystemExit(f"unknown route {route!r}: one of ours, {', '.join(ROUTES)}")
     print(json.dumps(ranks))
 
 
@@ -359,7 +463,7 @@ def run_size(work: str, size_gb: float, worlds: list[int], routes: list[str], so
              max_shard_size: str) -> dict:
     src, config, layers = make_checkpoint(work, size_gb, source)
     source_bytes = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
-    rows, assets = [], os.path.join(work, "ours_1")
+    rows = []
     for world in worlds:  # ours first: its index.json is the file layout the per-key route needs
         out = os.path.join(work, f"ours_{world}")
         rows.append(_in_child("ours", dict(world=world, src=src, out=out, config=config,
@@ -369,17 +473,58 @@ def run_size(work: str, size_gb: float, worlds: list[int], routes: list[str], so
     assets = os.path.join(work, f"ours_{worlds[0]}")
     written = rows[0].get("checkpoint_bytes", 0)
     for route in routes:
-        args = dict(src=src, out=os.path.join(work, route), layers=layers, assets=assets, write_bytes=written,
-                    source=source)
-        rows.append(_in_child(route, args))
-        shutil.rmtree(args["out"], ignore_errors=True)
+        rows.append(_route_row(route, dict(
+            src=src, out=os.path.join(work, route), layers=layers, assets=assets, write_bytes=written,
+            source=source, config=config, max_shard_size=max_shard_size)))
     shutil.rmtree(assets, ignore_errors=True)
     return dict(size_gb=size_gb, source=source, layers=layers, max_shard_size=max_shard_size, checkpoint_dir_bytes=source_bytes, routes=_ratios(rows))
 
 
+def _route_row(route: str, args: dict) -> dict:
+    """One alternative route run in its own process, its output checked against ours, then removed."""
+    if route == "dcp_consolidate":
+        if args["source"] != "hf":
+            return dict(route=route, skipped="DCP's consolidation takes HF-keyed safetensors shards; a torchtitan "
+                                             "checkpoint has none (the same consolidation runs inside 'whole')")
+        args["src"] = make_hf_shards(args["src"], args["layers"])
+    row = _in_child(route, args)
+    if route != "disk" and "seconds" in row:
+        row["output_check"] = output_check(args["out"], args["assets"])
+        if route == "dcp_consolidate":
+            row["note"] = "DCP's consolidation copies the stored bytes and cannot cast: it writes float32"
+    shutil.rmtree(args["out"], ignore_errors=True)
+    return row
+
+
+def _headers(directory: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of the ``.safetensors`` files directly in ``directory``: its dtype and shape (headers only)."""
+    from safetensors import safe_open
+
+    found = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, name), framework="pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    found[key] = (part.get_dtype(), tuple(part.get_shape()))
+    return found
+
+
+def output_check(out: str, ours: str) -> str:
+    """``"same keys, shapes, dtypes as ours"``, or what differs (the files load with safetensors, or this raises)."""
+    got, want = _headers(out), _headers(ours)
+    if set(got) != set(want):
+        return f"keys differ: {len(set(want) - set(got))} missing, {len(set(got) - set(want))} extra"
+    shapes = [k for k in want if got[k][1] != want[k][1]]
+    if shapes:
+        return f"shapes differ: {len(shapes)} keys, e.g. {shapes[0]} {got[shapes[0]][1]} vs {want[shapes[0]][1]}"
+    dtypes = sorted({f"{got[k][0]} where ours {want[k][0]}" for k in want if got[k][0] != want[k][0]})
+    return f"same keys and shapes; dtypes differ: {', '.join(dtypes)}" if dtypes else "same keys, shapes, dtypes as ours"
+
+
 def _ratios(rows: list[dict]) -> list[dict]:
     """Each route's speed-up against the fastest alternative, and ours against the disk's time."""
-    others = [r["seconds"] for r in rows if r["route"] in ("whole", "per_key") and "seconds" in r]
+    others = [r["seconds"] for r in rows if r["route"] not in BASELINES and "seconds" in r]
     disk = next((r["seconds"] for r in rows if r["route"] == "disk" and "seconds" in r), None)
     for row in rows:
         if row["route"] == "ours" and "seconds" in row:
@@ -394,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-gb", default="1", help="checkpoint sizes, e.g. 1,5")
     parser.add_argument("--ranks", default="1,2,4", help="our rank counts")
-    parser.add_argument("--routes", default="whole,per_key,disk")
+    parser.add_argument("--routes", default=",".join(ROUTES), help=f"alternatives to ours, of {','.join(ROUTES)}")
     parser.add_argument("--source", choices=("auto", "torchtitan", "hf"), default="auto",
                         help="torchtitan's own model (auto: where torchtitan imports) or the HF-keyed checkpoint")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "convert_bench"))
@@ -407,6 +552,9 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.work, exist_ok=True)
     worlds = [int(w) for w in args.ranks.split(",")]
     routes = [r for r in args.routes.split(",") if r]
+    unknown = sorted(set(routes) - set(ROUTES))
+    if unknown:
+        parser.error(f"unknown route(s) {unknown}: one of {','.join(ROUTES)}")
     source = args.source if args.source != "auto" else "torchtitan" if torchtitan_importable() else "hf"
     report = dict(cpus=os.cpu_count(), sizes=[run_size(args.work, float(s), worlds, routes, source, args.max_shard_size)
                                               for s in args.size_gb.split(",")])
