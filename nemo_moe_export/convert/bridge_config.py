@@ -27,7 +27,8 @@ RUN_CONFIG_FILE = "run_config.yaml"  # Megatron-Bridge's ConfigContainer, beside
 _ASK = "pass the model's HF config (--config / convert_checkpoint(config=...))"
 # The activations a run_config may name, by the import path Bridge writes; any other stays a string
 # (hf_config_for then refuses it by name).
-_FUNCTIONS = {"torch.nn.functional.silu": torch.nn.functional.silu, "torch.nn.functional.gelu": torch.nn.functional.gelu}
+_FUNCTIONS = {"torch.nn.functional.silu": torch.nn.functional.silu,
+              "torch.nn.functional.gelu": torch.nn.functional.gelu}
 
 
 def read_run_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -40,12 +41,14 @@ def read_run_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         with open(path, encoding="utf-8") as f:
             run_config = yaml.safe_load(f)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:  # a python/object tag lands here: never built
+        reason = " ".join(str(exc).split())  # one line: the parser's message spans several
         raise InputError("Megatron-Bridge's run_config.yaml cannot be read", key=path,
-                         expected="plain YAML (yaml.safe_load)", actual=f"{type(exc).__name__}: {' '.join(str(exc).split())}",
+                         expected="plain YAML (yaml.safe_load)", actual=f"{type(exc).__name__}: {reason}",
                          hint=_ASK) from None
     model = run_config.get("model") if isinstance(run_config, dict) else None
     if not isinstance(model, dict):
-        raise InputError("Megatron-Bridge's run_config.yaml holds no model section", key=f"{RUN_CONFIG_FILE}:model",
+        raise InputError("Megatron-Bridge's run_config.yaml holds no model section",
+                         key=f"{RUN_CONFIG_FILE}:model",
                          expected="the model provider's fields (a mapping)",
                          actual=type(model).__name__ if model is not None else "missing", hint=_ASK)
     return model
@@ -67,7 +70,8 @@ def _dtype(value: Any) -> Any:
     name = str(_target(value) or "torch.float32").removeprefix("torch.")
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise InputError("Megatron-Bridge's params_dtype is not a torch dtype", key=f"{RUN_CONFIG_FILE}:model.params_dtype",
+        raise InputError("Megatron-Bridge's params_dtype is not a torch dtype",
+                         key=f"{RUN_CONFIG_FILE}:model.params_dtype",
                          expected="torch.float32, torch.bfloat16, ...", actual=repr(value), hint=_ASK)
     return dtype
 
@@ -82,7 +86,8 @@ def bridge_model(model: dict[str, Any]) -> SimpleNamespace:
     cfg = SimpleNamespace(
         **optional, num_layers=int(_need(model, "num_layers")), hidden_size=hidden, num_attention_heads=heads,
         ffn_hidden_size=model.get("ffn_hidden_size") or 4 * hidden,
-        num_query_groups=model.get("num_query_groups") or heads, kv_channels=model.get("kv_channels") or hidden // heads,
+        num_query_groups=model.get("num_query_groups") or heads,
+        kv_channels=model.get("kv_channels") or hidden // heads,
         num_moe_experts=_need(model, "num_moe_experts"), multi_latent_attention=mla,
         rope_type=model.get("rope_type") or ("yarn" if mla else "rope"),
         activation_func=_FUNCTIONS.get(activation, activation), params_dtype=_dtype(model.get("params_dtype")),

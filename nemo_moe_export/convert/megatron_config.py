@@ -1,5 +1,6 @@
 """The HF config of a megatron-core ``torch_dist`` checkpoint when the user gives none
-(docs/design.md#megatron-torch_dist-keys).
+(docs/design.md#megatron-torch_dist-keys): Megatron-Bridge's ``run_config.yaml`` where the
+checkpoint has one (``bridge_config.py``), else Megatron-LM's ``common.pt``.
 
 Megatron-LM keeps its training arguments (``args``, an ``argparse.Namespace``) in the checkpoint's
 ``common.pt``. torch's ``weights_only`` load refuses a Namespace, and a file a user hands us is never
@@ -77,7 +78,8 @@ def config_from_checkpoint(index: Any) -> Any:
     bridge = read_run_config(index.directory)
     if bridge is not None:
         model = bridge_model(bridge)
-        return _hf_config(model, "deepseek_v3" if model.config.multi_latent_attention else "qwen3_moe", index, model.vocab_size)
+        family = "deepseek_v3" if model.config.multi_latent_attention else "qwen3_moe"
+        return _hf_config(model, family, index, model.vocab_size)
     common = read_common(index.directory)
     args = common.get("args")
     if not isinstance(args, argparse.Namespace):
