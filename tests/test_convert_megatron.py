@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from megatron_checkpoints import CASES, FP8, checkpoint_dir, export_dir, write_checkpoints
+from megatron_checkpoints import CASES, FAMILIES, FP8, checkpoint_dir, export_dir, write_checkpoints
 from nemo_moe_export.convert import StoredTensor, read_index, table_for
 from nemo_moe_export.convert.engine import convert_checkpoint
 from nemo_moe_export.convert.megatron import FORMAT
@@ -210,6 +210,73 @@ def test_common_pt_without_args_or_with_foreign_globals_asks_for_a_config(tmp_pa
     with pytest.raises(InputError, match="cannot be read.*GLOBAL posix.system.*--config") as refused:
         config_from_checkpoint(index)
     assert "weights_only" not in str(refused.value) and not marker.exists()  # never called
+
+
+# --------------------------------------------------------------------------------------------------
+# The HF config from Megatron-Bridge's run_config.yaml
+# --------------------------------------------------------------------------------------------------
+
+BRIDGE_LAYOUTS = {"deepseek_v3": "pp2_ep2", "qwen3_moe": "tp2_ep2_sp"}  # one checkpoint of each family
+
+
+@pytest.fixture(scope="module")
+def bridge_root(tmp_path_factory):
+    from convert_fixtures import bridge_path, bridge_run_configs
+
+    if bridge_path() is None:
+        pytest.skip("no Megatron-Bridge: `make setup-bridge` installs it beside the environment")
+    return bridge_run_configs(str(tmp_path_factory.mktemp("bridge_run_configs")))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_config_derived_from_bridges_run_config_is_the_in_job_exports(family, bridge_root, megatron_root,
+                                                                         tmp_path):
+    """Megatron-Bridge's own run_config.yaml of the model megatron saved: the YAML alone (its folder
+    holds no common.pt) gives the in-job export's config.json."""
+    from nemo_moe_export.convert.megatron_config import config_from_checkpoint
+    from nemo_moe_export.export.config_json import write_config_json
+
+    layout = BRIDGE_LAYOUTS[family]
+    index = read_index(checkpoint_dir(megatron_root, layout, family))
+    config = config_from_checkpoint(dataclasses.replace(index, directory=os.path.join(bridge_root, family)))
+    write_config_json(str(tmp_path), config, torch.float32)
+    assert _config_json(str(tmp_path)) == _config_json(export_dir(megatron_root, layout, family))
+
+
+def _run_config_without(bridge_root: str, out, field: str) -> None:
+    """Bridge's qwen3_moe run_config.yaml with the model's ``field`` line dropped, into ``out``."""
+    with open(os.path.join(bridge_root, "qwen3_moe", "run_config.yaml")) as f:
+        lines = f.read().splitlines(keepends=True)
+    start = lines.index("model:\n")
+    drop = next(i for i in range(start, len(lines)) if lines[i].startswith(f"  {field}:"))
+    (out / "run_config.yaml").write_text("".join(lines[:drop] + lines[drop + 1:]))
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_moe_experts", "vocab_size"])
+def test_a_run_config_lacking_a_needed_field_is_refused_by_name(field, bridge_root, megatron_root, tmp_path):
+    from nemo_moe_export.convert.megatron_config import config_from_checkpoint
+
+    _run_config_without(bridge_root, tmp_path, field)
+    index = dataclasses.replace(read_index(checkpoint_dir(megatron_root, "tp2_ep2_sp", "qwen3_moe")),
+                                directory=str(tmp_path))
+    with pytest.raises(InputError, match=f"lacks a field.*run_config.yaml:model.{field}.*--config"):
+        config_from_checkpoint(index)
+
+
+def test_a_run_config_is_read_as_plain_values_never_built(tmp_path):
+    import types
+
+    from nemo_moe_export.convert.megatron_config import config_from_checkpoint
+
+    index = types.SimpleNamespace(directory=str(tmp_path), tensors={})
+    marker = tmp_path / "ran"
+    (tmp_path / "run_config.yaml").write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(InputError, match="cannot be read.*safe_load.*python/object/apply:os.system.*--config"):
+        config_from_checkpoint(index)
+    assert not marker.exists()
+    (tmp_path / "run_config.yaml").write_text("_target_: megatron.bridge.training.config.ConfigContainer\n")
+    with pytest.raises(InputError, match="holds no model section.*--config"):
+        config_from_checkpoint(index)
 
 
 # --------------------------------------------------------------------------------------------------

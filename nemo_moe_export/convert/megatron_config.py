@@ -1,5 +1,6 @@
 """The HF config of a megatron-core ``torch_dist`` checkpoint when the user gives none
-(docs/design.md#megatron-torch_dist-keys).
+(docs/design.md#megatron-torch_dist-keys): Megatron-Bridge's ``run_config.yaml`` where the
+checkpoint has one (``bridge_config.py``), else Megatron-LM's ``common.pt``.
 
 Megatron-LM keeps its training arguments (``args``, an ``argparse.Namespace``) in the checkpoint's
 ``common.pt``. torch's ``weights_only`` load refuses a Namespace, and a file a user hands us is never
@@ -24,6 +25,7 @@ import torch
 
 from nemo_moe_export.adapters import InMemoryFormat
 from nemo_moe_export.adapters.tables_megatron import NAMING
+from nemo_moe_export.convert.bridge_config import bridge_model, read_run_config
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.megatron.hf_config import hf_config_for, stock_config_class
 
@@ -70,8 +72,14 @@ def _reason(exc: Exception) -> str:
 
 
 def config_from_checkpoint(index: Any) -> Any:
-    """The HF config (the stock transformers class) of the megatron checkpoint ``index`` from its
-    ``common.pt`` ``args``; refused, asking for a config, where it holds none."""
+    """The HF config (the stock transformers class) of the megatron checkpoint ``index``: from
+    Megatron-Bridge's ``run_config.yaml`` where the checkpoint has one, else from ``common.pt``'s
+    ``args``; refused, asking for a config, where neither holds it."""
+    bridge = read_run_config(index.directory)
+    if bridge is not None:
+        model = bridge_model(bridge)
+        family = "deepseek_v3" if model.config.multi_latent_attention else "qwen3_moe"
+        return _hf_config(model, family, index, model.vocab_size)
     common = read_common(index.directory)
     args = common.get("args")
     if not isinstance(args, argparse.Namespace):
@@ -80,9 +88,12 @@ def config_from_checkpoint(index: Any) -> Any:
                          actual=type(args).__name__ if args is not None else "none", hint=_ASK)
     fields = vars(args)
     family = "deepseek_v3" if fields.get("multi_latent_attention") else "qwen3_moe"
-    model = _model_of(fields, index)
+    return _hf_config(_model_of(fields, index), family, index, _vocab_size(fields))
+
+
+def _hf_config(model: SimpleNamespace, family: str, index: Any, vocab_size: int) -> Any:
     config = hf_config_for(model, family, InMemoryFormat(NAMING), _moe_layers(index, model.config.num_layers),
-                           vocab_size=_vocab_size(fields))
+                           vocab_size=vocab_size)
     return stock_config_class(config).from_dict(config.to_dict())
 
 
