@@ -773,16 +773,28 @@ def test_train_ft_recipe_with_the_plugin_trains_evaluates_exports_and_verifies(r
     assert any(not torch.equal(initial[k], trained[k]) for k in initial)  # three steps moved the weights
 
 
-def _convert_automodel(rank: int, world: int, src: str, out: str, config: str) -> dict:
+CONVERT_WORLDS = (2, 3, 4)  # with the parent's own conversion: 1 to 4 ranks
+
+
+def _convert_automodel(rank: int, world: int, src: str, root: str, config: str) -> dict:
+    """One launch of 4 ranks for every rank count: the first n ranks convert as a group of n."""
+    import torch.distributed as dist
+
     from nemo_moe_export.convert.engine import convert_checkpoint
 
-    result = convert_checkpoint(src, out, config=config, progress_s=None)
-    return {"read": result.rank_bytes_read, "written": result.rank_bytes_written, "format": result.format}
+    results = {}
+    for n in CONVERT_WORLDS:
+        group = dist.new_group(list(range(n)))  # every rank of the world makes every group
+        if rank < n:
+            result = convert_checkpoint(src, os.path.join(root, f"converted-{n}"), config=config, group=group,
+                                        progress_s=None)
+            results[n] = {"read": result.rank_bytes_read, "written": result.rank_bytes_written}
+    return results
 
 
 def test_convert_of_automodels_own_checkpoint_equals_the_export(ranks, inputs):
     """AutoModel's own checkpoint of the recipe's last step (its per-rank HF-keyed safetensors shards
-    in ``model/``, DCP's sharding records in their headers) converted on 1 and 3 ranks, no model
+    in ``model/``, DCP's sharding records in their headers) converted on 1, 2, 3 and 4 ranks, no model
     built (docs/convert.md): the same files, tensor for tensor, as our export of those weights;
     the ranks read exactly the shards' tensor bytes."""
     from nemo_moe_export.convert.engine import convert_checkpoint
@@ -795,10 +807,12 @@ def test_convert_of_automodels_own_checkpoint_equals_the_export(ranks, inputs):
     assert one.format == "automodel"
     assert_same_checkpoint(os.path.join(root, "converted-1"), export)
     assert one.rank_bytes_read == tensor_bytes_on_disk(os.path.join(src, "model"))
-    three = spawn(_convert_automodel, 3, src, os.path.join(root, "converted-3"), export)
-    assert_same_checkpoint(os.path.join(root, "converted-3"), export)
-    assert sum(r["read"] for r in three) == one.rank_bytes_read
-    assert sum(r["written"] for r in three) == one.rank_bytes_written == tensor_bytes_on_disk(export)
+    assert one.rank_bytes_written == tensor_bytes_on_disk(export)
+    launched = spawn(_convert_automodel, max(CONVERT_WORLDS), src, root, export)
+    for n in CONVERT_WORLDS:
+        assert_same_checkpoint(os.path.join(root, f"converted-{n}"), export)
+        assert sum(r[n]["read"] for r in launched[:n]) == one.rank_bytes_read, n
+        assert sum(r[n]["written"] for r in launched[:n]) == one.rank_bytes_written, n
 
 
 def test_train_ft_resume_restores_the_plugins_mmlu_history(ranks):

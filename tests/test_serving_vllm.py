@@ -12,9 +12,10 @@ bf16, fp32 and FP8 block (on AMX CPUs only: vLLM's CPU FP8 kernels refuse others
 exported from FSDP2 + EP shards on 4 ranks, DeepSeek-V3 exported from pipeline stages on 4 ranks,
 and a megatron-core Qwen3-MoE GPTModel exported from EP=2 on 4 ranks. Converted checkpoints
 (docs/convert.md): that GPTModel's ``torch_dist`` checkpoint (megatron's ``dist_checkpointing``,
-saved by the same 4 ranks) converted on 3 ranks, and torchtitan's own Qwen3 MoE DCP checkpoint
-(``tests/torchtitan_fixture.py``, when torchtitan is installed) converted on one; each byte-equal to
-the in-job export of the same weights and served by vLLM as written.
+saved by the same 4 ranks) converted on 3 ranks, and torchtitan's own Qwen3 MoE and DeepSeek-V3
+(MLA at the same CPU dims) DCP checkpoints (``tests/torchtitan_fixture.py``, saved on 2 ranks, when
+torchtitan is installed) converted on one; each byte-equal to the in-job export of the same weights
+and served by vLLM as written.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ DISTRIBUTED = {"qwen3_moe-fsdp2-ep-bf16": "bfloat16", "deepseek_v3-pipeline-fp32
                MEGATRON_EXPORT: "bfloat16"}
 MEGATRON_TORCH_DIST = "qwen3_moe-megatron-ep2-torch_dist"  # the same weights' training checkpoint
 CONVERT_RANKS = 3  # not the 4 that saved it
-TORCHTITAN = "qwen3_moe_serving"  # tests/torchtitan_fixture.py's Qwen3 MoE at vLLM's CPU dims
+MEGATRON_CONVERTED = "qwen3_moe-megatron-torch_dist-converted-bf16"
+# name: tests/torchtitan_fixture.py's family (its models at vLLM's CPU dims; saved on 2 ranks, converted on one)
+TORCHTITAN = {"qwen3_moe-torchtitan-dcp-converted-bf16": "qwen3_moe_serving",
+              "deepseek_v3-torchtitan-dcp-converted-bf16": "deepseek_v3_serving"}
 # name: the served in-job export of the same weights it must equal file for file (None: made by the test)
-CONVERTED = {"qwen3_moe-megatron-torch_dist-converted-bf16": MEGATRON_EXPORT,
-             "qwen3_moe-torchtitan-dcp-converted-bf16": None}
+CONVERTED = {MEGATRON_CONVERTED: MEGATRON_EXPORT, **dict.fromkeys(TORCHTITAN)}
 
 
 def _model(family, **overrides):
@@ -147,18 +150,15 @@ def _convert_megatron(workdir):
 
     group = dist.new_group(list(range(CONVERT_RANKS)))  # every rank makes every group
     if dist.get_rank() < CONVERT_RANKS:
-        convert_checkpoint(os.path.join(workdir, MEGATRON_TORCH_DIST), os.path.join(workdir, _converted("megatron")),
+        convert_checkpoint(os.path.join(workdir, MEGATRON_TORCH_DIST), os.path.join(workdir, MEGATRON_CONVERTED),
                            config=os.path.join(workdir, MEGATRON_EXPORT), dtype="bfloat16", group=group,
                            progress_s=None, timeout_s=120)
 
 
-def _converted(source):
-    return next(name for name in CONVERTED if f"-{source}-" in name)
-
-
 def _torchtitan_checkpoint(workdir):
-    """torchtitan's own Qwen3 MoE DCP checkpoint (FSDP on 2 ranks, with its optimizer's state) in a
-    thread beside the exports (a subprocess: torchtitan's interpreter path); None without torchtitan."""
+    """torchtitan's own Qwen3 MoE and DeepSeek-V3 DCP checkpoints (FSDP on 2 ranks, with its optimizer's
+    state) in a thread beside the exports (a subprocess: torchtitan's interpreter path); None without
+    torchtitan."""
     from concurrent.futures import ThreadPoolExecutor
 
     from convert_fixtures import torchtitan_checkpoints, torchtitan_path
@@ -166,17 +166,17 @@ def _torchtitan_checkpoint(workdir):
     if torchtitan_path() is None:
         return None
     pool = ThreadPoolExecutor(1)
-    saved = pool.submit(torchtitan_checkpoints, os.path.join(workdir, "torchtitan"), (TORCHTITAN,))
+    saved = pool.submit(torchtitan_checkpoints, os.path.join(workdir, "torchtitan"), tuple(TORCHTITAN.values()))
     pool.shutdown(wait=False)
     return saved
 
 
-def _convert_torchtitan(saved, workdir):
-    """The torchtitan checkpoint converted (one rank, this process: no model), bf16; its path."""
+def _convert_torchtitan(saved, workdir, name):
+    """A torchtitan checkpoint converted (one rank, this process: no model), bf16; its path."""
     from nemo_moe_export.convert import convert_checkpoint
 
-    family = os.path.join(saved.result(), TORCHTITAN)
-    out = os.path.join(workdir, _converted("torchtitan"))
+    family = os.path.join(saved.result(), TORCHTITAN[name])
+    out = os.path.join(workdir, name)
     convert_checkpoint(os.path.join(family, "dcp"), out, config=family, dtype="bfloat16", progress_s=None)
     return out
 
@@ -196,9 +196,9 @@ def served(tmp_path_factory):
         cases.append((name, path, compute))
     spawn(_distributed_exports, 4, workdir, timeout_s=300)
     cases += [(name, os.path.join(workdir, name), compute) for name, compute in DISTRIBUTED.items()]
-    cases.append((_converted("megatron"), os.path.join(workdir, _converted("megatron")), "bfloat16"))
+    cases.append((MEGATRON_CONVERTED, os.path.join(workdir, MEGATRON_CONVERTED), "bfloat16"))
     if torchtitan is not None:
-        cases.append((_converted("torchtitan"), _convert_torchtitan(torchtitan, workdir), "bfloat16"))
+        cases += [(name, _convert_torchtitan(torchtitan, workdir, name), "bfloat16") for name in TORCHTITAN]
     exported = time.monotonic()
 
     serve = []
@@ -257,11 +257,11 @@ def _files(path):
     return files
 
 
-def _torchtitan_in_job_export(served, tmp_path):
+def _torchtitan_in_job_export(served, name, tmp_path):
     """This repo's export of a transformers model loaded with torchtitan's own ``to_hf`` of the weights."""
     from convert_fixtures import in_job_export, reference_model
 
-    family = os.path.join(os.path.dirname(served[_converted("torchtitan")][0]), "torchtitan", TORCHTITAN)
+    family = os.path.join(os.path.dirname(served[name][0]), "torchtitan", TORCHTITAN[name])
     model, info = reference_model(family, str(tmp_path))
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     return in_job_export(model, str(tmp_path / "export"), dtype="bfloat16")
@@ -274,7 +274,7 @@ def test_vllm_serves_converted_checkpoints_equal_to_the_in_job_export(name, serv
     if name not in served:
         pytest.skip("no torchtitan: `make setup-torchtitan` installs it in .torchtitan")
     path, _ = served[name]
-    export = served[CONVERTED[name]][0] if CONVERTED[name] else _torchtitan_in_job_export(served, tmp_path)
+    export = served[CONVERTED[name]][0] if CONVERTED[name] else _torchtitan_in_job_export(served, name, tmp_path)
     got, want = _files(path), _files(export)
     # a model from_pretrained loaded carries a generation config its export writes; a conversion has no model
     assert set(got) <= set(want) and set(want) - set(got) <= {"generation_config.json"}, (sorted(got), sorted(want))

@@ -2,8 +2,9 @@
 
 Run as a script in an interpreter that can import torchtitan 0.3.0 (``TORCHTITAN_PATH`` on
 ``sys.path``, see the Makefile): ``python tests/torchtitan_fixture.py OUT [FAMILY ...]``. For each family
-(default: DeepSeek-V3, Qwen3 MoE, DeepSeek-V3 with one MTP block; ``qwen3_moe_serving`` is Qwen3 MoE
-at dims vLLM's CPU backend runs, for tests/test_serving_vllm.py) it builds a tiny torchtitan model from torchtitan's own config builders,
+(default: DeepSeek-V3, Qwen3 MoE, DeepSeek-V3 with one MTP block; ``qwen3_moe_serving`` and
+``deepseek_v3_serving`` are Qwen3 MoE and DeepSeek-V3 at dims vLLM's CPU backend runs, for
+tests/test_serving_vllm.py) it builds a tiny torchtitan model from torchtitan's own config builders,
 shards it with ``fully_shard`` over 2 gloo ranks, takes one AdamW step with torchtitan's
 ``OptimizersContainer`` and saves what torchtitan's checkpointer saves (``dcp.save`` of the model's
 state dict flattened at the top level, ``optimizer`` and ``train_state`` beside it,
@@ -26,6 +27,8 @@ import torch.multiprocessing as mp
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "deepseek_v3_mtp")  # the last: one MTP block, compared with to_hf only
 SERVING = dict(vocab=128, head_dim=32)  # vLLM's CPU attention has no kernel for head_dim 8
+# vLLM's CPU MLA kernels take only kv_lora_rank 512 with rope 64 (and no head dim 8)
+DEEPSEEK_SERVING = dict(vocab=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16)
 WORLD = 2
 VOCAB, DIM, EXPERTS, MOE_HIDDEN = 64, 32, 4, 16
 
@@ -51,36 +54,38 @@ def _qwen3(vocab: int = VOCAB, head_dim: int = 8):
     return config, qwen3.Qwen3StateDictAdapter, hf
 
 
-def _deepseek(mtp: int = 0):
+def _deepseek(mtp: int = 0, vocab: int = VOCAB, kv_lora_rank: int = 16, qk_rope_head_dim: int = 4,
+              qk_nope_head_dim: int = 8, v_head_dim: int = 8):
     from torchtitan.models import deepseek_v3 as ds
     from torchtitan.models.common import Embedding, Linear
     from torchtitan.models.deepseek_v3 import ComplexRoPE, RMSNorm
 
+    mla = dict(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim,
+               v_head_dim=v_head_dim)
     layers = ds._build_dsv3_layers(
-        n_layers=2, n_dense_layers=1, dim=DIM, n_heads=2, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8, mscale=0.7, dense_hidden_dim=48, moe_hidden_dim=MOE_HIDDEN,
-        num_experts=EXPERTS, num_shared_experts=1, router_top_k=2, router_score_func="sigmoid", attn_backend="flex",
-        moe_comm_backend="standard", non_blocking_capacity_factor=None,
-        rope=ComplexRoPE.Config(dim=4, max_seq_len=64, theta=10000.0))
+        n_layers=2, n_dense_layers=1, dim=DIM, n_heads=2, q_lora_rank=0, **mla, mscale=0.7, dense_hidden_dim=48,
+        moe_hidden_dim=MOE_HIDDEN, num_experts=EXPERTS, num_shared_experts=1, router_top_k=2,
+        router_score_func="sigmoid", attn_backend="flex", moe_comm_backend="standard",
+        non_blocking_capacity_factor=None, rope=ComplexRoPE.Config(dim=qk_rope_head_dim, max_seq_len=64, theta=10000.0))
     config = ds.DeepSeekV3Model.Config(
-        vocab_size=VOCAB, dim=DIM,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT),
+        vocab_size=vocab, dim=DIM,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=DIM, param_init=ds._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=ds._NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=ds._output_linear_init(DIM)),
+        lm_head=Linear.Config(in_features=DIM, out_features=vocab, param_init=ds._output_linear_init(DIM)),
         layers=layers, mtp_layers=ds._build_mtp_layers(layers[-1], dim=DIM, num_mtp_layers=mtp) if mtp else [])
     from transformers import DeepseekV3Config
 
-    hf = DeepseekV3Config(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=48, moe_intermediate_size=MOE_HIDDEN,
+    hf = DeepseekV3Config(vocab_size=vocab, hidden_size=DIM, intermediate_size=48, moe_intermediate_size=MOE_HIDDEN,
                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=EXPERTS,
-                          n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=16,
-                          q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, n_group=1,
-                          topk_group=1, max_position_embeddings=64, num_nextn_predict_layers=mtp,
+                          n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None, **mla,
+                          n_group=1, topk_group=1, max_position_embeddings=64, num_nextn_predict_layers=mtp,
                           tie_word_embeddings=False)
     return config, ds.DeepSeekV3StateDictAdapter, hf
 
 
 BUILDERS = {"qwen3_moe": _qwen3, "deepseek_v3": _deepseek, "deepseek_v3_mtp": lambda: _deepseek(mtp=1),
-            "qwen3_moe_serving": lambda: _qwen3(**SERVING)}
+            "qwen3_moe_serving": lambda: _qwen3(**SERVING),
+            "deepseek_v3_serving": lambda: _deepseek(**DEEPSEEK_SERVING)}
 
 
 def _save_family(family: str, out: str, rank: int) -> None:
