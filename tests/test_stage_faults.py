@@ -185,7 +185,10 @@ MATRIX = [  # the longest first (the exports as plain processes run as two chain
     ("export", "raise", "pp", "agent"), ("export", "raise", "pp_ep", "agent"),
     ("train", "raise", "pp", "plain"),
 ]
-MEGATRON = ("mmlu", "stall", "pp_ep", "plain")  # also on a megatron-core PP2 x EP2 model
+# Also on a megatron-core PP2 x EP2 model; the export chain (stall, raise, then the re-run) first.
+MEGATRON = [("export", "stall", "pp_ep", "plain"), ("export", "raise", "pp_ep", "plain"),
+            ("mmlu", "stall", "pp_ep", "plain"), ("mmlu", "raise", "pp_ep", "plain"),
+            ("mmlu", "raise", "pp_ep", "agent")]
 JOBS = int(os.environ.get("NME_FAULT_JOBS", "2"))  # cases run at once: mostly they wait out timeouts
 WAIT_S = 900  # a test waits for its case, started after the cases before it: more than one case's 300 s
 
@@ -242,9 +245,10 @@ def launched(request, tmp_path_factory):
 
 @pytest.mark.timeout(WAIT_S)
 @pytest.mark.parametrize("recipe", ["megatron_deepseek_v3_tiny"])
-@pytest.mark.parametrize("case", [MEGATRON], ids=[_ids(MEGATRON)])
+@pytest.mark.parametrize("case", MEGATRON, ids=[_ids(c) for c in MEGATRON])
 def test_a_fault_in_a_megatron_core_stage_is_named_by_every_survivor(case, recipe, launched):
-    """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), plain processes."""
+    """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), as plain
+    processes and under torchrun's agent."""
     _check(case, recipe, launched)
 
 
