@@ -185,10 +185,13 @@ MATRIX = [  # the longest first (the exports as plain processes run as two chain
     ("export", "raise", "pp", "agent"), ("export", "raise", "pp_ep", "agent"),
     ("train", "raise", "pp", "plain"),
 ]
-# Also on a megatron-core PP2 x EP2 model; the export chain (stall, raise, then the re-run) first.
+# Also on a megatron-core PP2 x EP2 model, each phase and kind as plain processes and under torchrun's
+# agent; the longest first: the export chain (stall, raise, then the re-run), then the stalls.
 MEGATRON = [("export", "stall", "pp_ep", "plain"), ("export", "raise", "pp_ep", "plain"),
-            ("mmlu", "stall", "pp_ep", "plain"), ("mmlu", "raise", "pp_ep", "plain"),
-            ("mmlu", "raise", "pp_ep", "agent")]
+            ("mmlu", "stall", "pp_ep", "plain"), ("mmlu", "stall", "pp_ep", "agent"),
+            ("export", "stall", "pp_ep", "agent"),
+            ("mmlu", "raise", "pp_ep", "plain"), ("mmlu", "raise", "pp_ep", "agent"),
+            ("export", "raise", "pp_ep", "agent")]
 JOBS = int(os.environ.get("NME_FAULT_JOBS", "2"))  # cases run at once: mostly they wait out timeouts
 WAIT_S = 900  # a test waits for its case, started after the cases before it: more than one case's 300 s
 
