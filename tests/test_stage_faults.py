@@ -8,7 +8,9 @@ a stall (600 s of sleep) or a raise inside its first decoder layer, in training 
 MMLU evaluation, or a stall, a raise or SIGKILL as the export's write step starts. Each case runs
 the recipe's own command line on real gloo ranks, as 4 plain processes (the way srun starts them:
 no torchrun agent ends the job, only our own timeouts), under torchrun's elastic agent, or (one
-case) the torchrun command line. What must hold: every rank ends within ``parallel.timeout_s`` + 60 s
+case) the torchrun command line. A megatron-core PP2 x EP2 model (``recipe=megatron_deepseek_v3_tiny``,
+megatron-core's own groups) has the MMLU and export stall and raise, each as plain processes and
+under torchrun's agent. What must hold: every rank ends within ``parallel.timeout_s`` + 60 s
 of the fault; every survivor's error names the faulty rank and the step, and carries its exception
 when it raised; a failed export publishes nothing, and the re-run with ``export.overwrite=replace``
 verifies.
