@@ -5,9 +5,9 @@ named in ``NME_FAULT`` stalls or raises where the fault says.
 * ``torchrun ... tests/fault_rank.py ARGS...``: one rank, started by torchrun.
 * ``python tests/fault_rank.py --plain N OUT ARGS...``: N plain processes, as srun starts them (no
   agent that ends the job; rank 0 hosts the rendezvous store), forked from this one once it has
-  imported the package (a rank then starts in a fraction of a second, not 9 s of imports on a busy
-  machine). It only reaps them: ``OUT/rank<r>.out`` is rank r's output, ``OUT/ended.json`` when
-  each ended (wall time) and its exit status.
+  imported the package, and megatron-core for a megatron recipe (a rank then starts in a fraction
+  of a second, not 9 s of imports on a busy machine). It only reaps them: ``OUT/rank<r>.out`` is
+  rank r's output, ``OUT/ended.json`` when each ended (wall time) and its exit status.
 * ``python tests/fault_rank.py --agent N OUT ARGS...``: N ranks under torchrun's own elastic agent
   (``torch.distributed.run``'s config for ``--standalone --nproc-per-node=N``: the agent hosts the
   store and ends every rank once one failed), started with the ``fork`` method from this process
@@ -121,9 +121,20 @@ def _rank(rank: int, world: int, out: str, args: list[str]) -> None:
     os._exit(status)
 
 
-def _plain(world: int, out: str, args: list[str]) -> None:
-    import nemo_moe_export.cli  # noqa: F401 - imported once, before forking
+def _preload(args: list[str]) -> None:
+    """What every rank imports, imported once before forking: the package, and megatron-core for a
+    megatron recipe (its modules are imported when the model is built: seconds per rank, 4 ranks)."""
+    import nemo_moe_export.cli  # noqa: F401
 
+    if any(arg.startswith("recipe=megatron") for arg in args):
+        import megatron.core.models.gpt  # noqa: F401
+        import megatron.core.parallel_state  # noqa: F401
+        import megatron.core.tensor_parallel  # noqa: F401
+        import nemo_moe_export.megatron.recipe  # noqa: F401
+
+
+def _plain(world: int, out: str, args: list[str]) -> None:
+    _preload(args)
     ranks = {}
     for rank in range(world):
         pid = os.fork()
@@ -158,7 +169,7 @@ def _agent_rank(out: str, args: list[str]) -> None:
 
 
 def _agent(world: int, out: str, args: list[str]) -> None:
-    import nemo_moe_export.cli  # noqa: F401 - imported once, before the agent forks
+    _preload(args)  # before the agent forks
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser

@@ -8,7 +8,9 @@ a stall (600 s of sleep) or a raise inside its first decoder layer, in training 
 MMLU evaluation, or a stall, a raise or SIGKILL as the export's write step starts. Each case runs
 the recipe's own command line on real gloo ranks, as 4 plain processes (the way srun starts them:
 no torchrun agent ends the job, only our own timeouts), under torchrun's elastic agent, or (one
-case) the torchrun command line. What must hold: every rank ends within ``parallel.timeout_s`` + 60 s
+case) the torchrun command line. A megatron-core PP2 x EP2 model (``recipe=megatron_deepseek_v3_tiny``,
+megatron-core's own groups) has the MMLU and export stall and raise, each as plain processes and
+under torchrun's agent. What must hold: every rank ends within ``parallel.timeout_s`` + 60 s
 of the fault; every survivor's error names the faulty rank and the step, and carries its exception
 when it raised; a failed export publishes nothing, and the re-run with ``export.overwrite=replace``
 verifies.
@@ -185,7 +187,13 @@ MATRIX = [  # the longest first (the exports as plain processes run as two chain
     ("export", "raise", "pp", "agent"), ("export", "raise", "pp_ep", "agent"),
     ("train", "raise", "pp", "plain"),
 ]
-MEGATRON = ("mmlu", "stall", "pp_ep", "plain")  # also on a megatron-core PP2 x EP2 model
+# Also on a megatron-core PP2 x EP2 model, each phase and kind as plain processes and under torchrun's
+# agent; the longest first: the export chain (stall, raise, then the re-run), then the stalls.
+MEGATRON = [("export", "stall", "pp_ep", "plain"), ("export", "raise", "pp_ep", "plain"),
+            ("mmlu", "stall", "pp_ep", "plain"), ("mmlu", "stall", "pp_ep", "agent"),
+            ("export", "stall", "pp_ep", "agent"),
+            ("mmlu", "raise", "pp_ep", "plain"), ("mmlu", "raise", "pp_ep", "agent"),
+            ("export", "raise", "pp_ep", "agent")]
 JOBS = int(os.environ.get("NME_FAULT_JOBS", "2"))  # cases run at once: mostly they wait out timeouts
 WAIT_S = 900  # a test waits for its case, started after the cases before it: more than one case's 300 s
 
@@ -242,9 +250,10 @@ def launched(request, tmp_path_factory):
 
 @pytest.mark.timeout(WAIT_S)
 @pytest.mark.parametrize("recipe", ["megatron_deepseek_v3_tiny"])
-@pytest.mark.parametrize("case", [MEGATRON], ids=[_ids(MEGATRON)])
+@pytest.mark.parametrize("case", MEGATRON, ids=[_ids(c) for c in MEGATRON])
 def test_a_fault_in_a_megatron_core_stage_is_named_by_every_survivor(case, recipe, launched):
-    """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), plain processes."""
+    """megatron-core PP2 x EP2 (parallel_state's groups, made with parallel.timeout_s), as plain
+    processes and under torchrun's agent."""
     _check(case, recipe, launched)
 
 
