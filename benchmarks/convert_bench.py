@@ -415,7 +415,7 @@ def _in_child(route: str, args: dict) -> dict:
     """Run one route in a fresh interpreter (its own peak RSS, imports not counted twice)."""
     out = args["out"]
     shutil.rmtree(out, ignore_errors=True)
-    _drop_cache(args["src"])
+    _drop_cache(os.path.dirname(args["src"]))  # the source and the HF-keyed shards beside it
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--child", route, json.dumps(args)], capture_output=True,
                           text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
