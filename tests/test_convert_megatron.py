@@ -243,6 +243,29 @@ def test_the_config_derived_from_bridges_run_config_is_the_in_job_exports(family
     assert _config_json(str(tmp_path)) == _config_json(export_dir(megatron_root, layout, family))
 
 
+def test_a_bridge_checkpoint_converts_with_no_config_given(bridge_root, megatron_root, tmp_path, capsys):
+    """A checkpoint folder as Megatron-Bridge leaves it (its run_config.yaml beside the shards, a
+    common.pt with no args): ``convert`` with no ``--config`` takes the config from the YAML and
+    equals the in-job export, tensors and config.json."""
+    import shutil
+
+    from nemo_moe_export.cli import main
+    from nemo_moe_export.convert.megatron_config import COMMON_FILE
+
+    layout, family = "pp2_ep2", "deepseek_v3"
+    src = str(tmp_path / "checkpoint")
+    shutil.copytree(checkpoint_dir(megatron_root, layout, family), src)
+    torch.save({"iteration": 1}, os.path.join(src, COMMON_FILE))  # only the YAML can give the config
+    shutil.copy(os.path.join(bridge_root, family, "run_config.yaml"), src)
+    out = str(tmp_path / "hf")
+    assert main(["convert", src, out, "--dtype", "bfloat16"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["path"] == out
+    expected, got = _expected(megatron_root, layout, family, "bfloat16"), _tensors(out)
+    assert sorted(got) == sorted(expected)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+    assert _config_json(out) == _config_json(export_dir(megatron_root, layout, family, "bfloat16"))
+
+
 def _run_config_without(bridge_root: str, out, field: str) -> None:
     """Bridge's qwen3_moe run_config.yaml with the model's ``field`` line dropped, into ``out``."""
     with open(os.path.join(bridge_root, "qwen3_moe", "run_config.yaml")) as f:
