@@ -24,7 +24,8 @@ from nemo_moe_export.errors import InputError
 __all__ = ["RUN_CONFIG_FILE", "bridge_model", "read_run_config"]
 
 RUN_CONFIG_FILE = "run_config.yaml"  # Megatron-Bridge's ConfigContainer, beside the checkpoint's files
-_ASK = "pass the model's HF config (--config / convert_checkpoint(config=...))"
+# what a checkpoint that does not record its config asks for (here and megatron_config.py)
+ASK_FOR_CONFIG = "pass the model's HF config (--config / convert_checkpoint(config=...))"
 # The activations a run_config may name, by the import path Bridge writes; any other stays a string
 # (hf_config_for then refuses it by name).
 _FUNCTIONS = {"torch.nn.functional.silu": torch.nn.functional.silu,
@@ -44,20 +45,20 @@ def read_run_config(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
         reason = " ".join(str(exc).split())  # one line: the parser's message spans several
         raise InputError("Megatron-Bridge's run_config.yaml cannot be read", key=path,
                          expected="plain YAML (yaml.safe_load)", actual=f"{type(exc).__name__}: {reason}",
-                         hint=_ASK) from None
+                         hint=ASK_FOR_CONFIG) from None
     model = run_config.get("model") if isinstance(run_config, dict) else None
     if not isinstance(model, dict):
         raise InputError("Megatron-Bridge's run_config.yaml holds no model section",
                          key=f"{RUN_CONFIG_FILE}:model",
                          expected="the model provider's fields (a mapping)",
-                         actual=type(model).__name__ if model is not None else "missing", hint=_ASK)
+                         actual=type(model).__name__ if model is not None else "missing", hint=ASK_FOR_CONFIG)
     return model
 
 
 def _need(model: dict[str, Any], name: str) -> Any:
     if model.get(name) is None:
         raise InputError("Megatron-Bridge's run_config.yaml lacks a field the HF config needs",
-                         key=f"{RUN_CONFIG_FILE}:model.{name}", expected="set", actual="missing", hint=_ASK)
+                         key=f"{RUN_CONFIG_FILE}:model.{name}", expected="set", actual="missing", hint=ASK_FOR_CONFIG)
     return model[name]
 
 
@@ -72,7 +73,7 @@ def _dtype(value: Any) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise InputError("Megatron-Bridge's params_dtype is not a torch dtype",
                          key=f"{RUN_CONFIG_FILE}:model.params_dtype",
-                         expected="torch.float32, torch.bfloat16, ...", actual=repr(value), hint=_ASK)
+                         expected="torch.float32, torch.bfloat16, ...", actual=repr(value), hint=ASK_FOR_CONFIG)
     return dtype
 
 

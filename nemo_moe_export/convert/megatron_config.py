@@ -25,6 +25,7 @@ import torch
 
 from nemo_moe_export.adapters import InMemoryFormat
 from nemo_moe_export.adapters.tables_megatron import NAMING
+from nemo_moe_export.convert.bridge_config import ASK_FOR_CONFIG as _ASK
 from nemo_moe_export.convert.bridge_config import bridge_model, read_run_config
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.megatron.hf_config import hf_config_for, stock_config_class
@@ -32,7 +33,6 @@ from nemo_moe_export.megatron.hf_config import hf_config_for, stock_config_class
 __all__ = ["COMMON_FILE", "config_from_checkpoint", "read_common"]
 
 COMMON_FILE = "common.pt"  # megatron dist_checkpointing's non-sharded state (rank 0 writes it)
-_ASK = "pass the model's HF config (--config / convert_checkpoint(config=...))"
 
 
 class _Inert:
