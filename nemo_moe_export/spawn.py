@@ -60,7 +60,8 @@ def _child(rank: int, world_size: int, fn: Callable[..., Any], args: tuple[Any, 
         try:
             outcome = ("ok", fn(rank, world_size, *args))
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # ``fn`` may have ended the group itself (a worker that re-forms worlds)
+                dist.destroy_process_group()
     except BaseException as exc:  # reported to the parent, which raises
         outcome = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(result_path + ".tmp", "wb") as f:

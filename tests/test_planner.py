@@ -300,9 +300,7 @@ def _real_export_worker(rank, world, workdir):
         dist.init_process_group("gloo", init_method=f"file://{workdir}/store4", rank=rank, world_size=4)
         out[4] = _real_exports(4, workdir)
         dist.destroy_process_group()
-    # spawn's own teardown destroys the default group: give it one (also waits for ranks 0-3)
-    dist.init_process_group("gloo", init_method=f"file://{workdir}/store_end", rank=rank, world_size=world)
-    return out
+    return out  # no group left: spawn's teardown skips it (a third rendezvous here once failed at random)
 
 
 def _real_pipeline_worker(rank, world, workdir):
