@@ -335,6 +335,57 @@ def test_stored_items_decode_in_place_as_torch_load_reads_them(saved, tmp_path):
     assert at == -1 and got.stride() == view.stride() and torch.equal(got, view)
 
 
+def _read_so_far() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def _reader_threads() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "nme-convert-reader" and t.is_alive()]
+
+
+def test_reading_ahead_is_bounded_stops_on_close_and_hands_on_a_failed_read(saved, tmp_path):
+    """The conversion's reader reads ahead of its consumer (docs/design.md#checkpoint-conversion):
+    no more than its bound before anything is consumed, every box as torch.load reads it, its
+    thread gone once closed, and a read that fails reaches the consumer, naming the file."""
+    import io
+    import time
+
+    from nemo_moe_export.convert.reader import ChunkReader, ReadStats
+
+    src = _copy(saved, "qwen3_moe", tmp_path)
+    index = read_index(src)
+    chunks = [c for t in index.tensors.values() for c in t.chunks]
+    largest, ahead = max(c.length for c in chunks), 3 * max(c.length for c in chunks)
+    before, stats = _read_so_far(), ReadStats()
+    reader = ChunkReader(index, chunks, stats, read_bytes=1, ahead_bytes=ahead)  # one box per pread
+    time.sleep(0.5)  # nothing consumed: the thread stops at the bound (and one run is always admitted)
+    assert 0 < _read_so_far() - before <= ahead + largest
+    for chunk, tensor in reader:
+        with open(os.path.join(src, chunk.file), "rb") as f:
+            f.seek(chunk.byte_offset)
+            want = torch.load(io.BytesIO(f.read(chunk.length)), weights_only=True)
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want)
+    assert stats.bytes_read == sum(c.length for c in chunks) and stats.items == len(chunks)
+
+    reader = ChunkReader(index, chunks, ReadStats(), read_bytes=1, ahead_bytes=ahead)
+    next(iter(reader))
+    reader.close()
+    deadline = time.monotonic() + 10
+    while _reader_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _reader_threads()
+
+    last = max(chunks, key=lambda c: (c.file, c.byte_offset))
+    os.truncate(os.path.join(src, last.file), last.byte_offset + last.length // 2)  # after the files were checked
+    with pytest.raises(InputError, match="ended early") as raised:
+        for _ in ChunkReader(index, chunks, ReadStats(), ahead_bytes=ahead):
+            pass
+    assert raised.value.key == last.file
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 7, 64])
 def test_work_is_every_box_once_in_file_order_balanced_by_bytes(saved, world):
     from nemo_moe_export.convert.assign import assign_work, model_chunks

@@ -6,7 +6,8 @@ Called on every rank of ``group`` (docs/design.md#checkpoint-conversion):
                  picks the format's key table, maps every stored tensor to HF keys (unknown keys
                  refused, optimizer / train state skipped by rule), checks them against the HF
                  config's model, checks the data files, lays out the export's plan and its own
-                 share of the reading (``assign.py``); the ranks agree on one plan and rank 0's
+                 share of the reading (``assign.py``), whose reads start before the model check
+                 (read ahead, bounded: nothing is written yet); the ranks agree on one plan and rank 0's
                  job id. Then each rank maps its boxes (as meta tensors, nothing read) to pieces
                  and the ranks agree that every HF element has exactly one writer.
 2-6.             the export's own steps (``export/steps.py``): prepare, headers, write, verify,
@@ -35,7 +36,7 @@ from nemo_moe_export.convert.assign import assign_units, model_chunks
 from nemo_moe_export.convert.checks import check_shapes, hf_config_of
 from nemo_moe_export.convert.fp8 import Fp8Layout, fp8_layout, units_of, write_units
 from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk, read_index
-from nemo_moe_export.convert.reader import ReadStats, check_files, read_chunks
+from nemo_moe_export.convert.reader import ChunkReader, ReadStats, check_files
 from nemo_moe_export.convert.formats import recorded_config, table_for
 from nemo_moe_export.convert.tables import CheckpointTable, meta_pieces
 from nemo_moe_export.errors import InputError
@@ -92,6 +93,11 @@ class _ConvertJob(StepJob):
     fp8: Fp8Layout | None
     writer: StorageWriter
     owners: dict[str, int]
+    reader: ChunkReader | None  # reading ahead since validate (unquantized; FP8 reads unit by unit)
+
+    def close_reader(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
 
     @property
     def work(self) -> list[StoredChunk]:
@@ -137,15 +143,18 @@ rank prints a progress line (bytes read / its total, rate) every ``progress_s`` 
         options, refused = ExportOptions(), exc
     steps = Steps(Coordinator(group, timeout_s=options.timeout_s, name="convert"))
     with cyclic_gc_paused():
-        job = _validate(steps, src, out, options, refused, config, tokenizer)
         stats, reads = WriteStats(), ReadStats()
+        job = _validate(steps, src, out, options, refused, config, tokenizer, reads)
 
         def write() -> WriteStats:
             nonlocal stats
             stats = _stream(job, reads, progress_s)
             return stats
 
-        run_after_validate(steps, job, write)
+        try:
+            run_after_validate(steps, job, write)
+        finally:
+            job.close_reader()
     return ConvertResult(
         path=job.target.path, format=job.index.format, files=len(job.plan.files), tensors=len(job.plan.tensors),
         checkpoint_bytes=job.plan.total_tensor_bytes, source_bytes=sum(c.length for c in model_chunks(
@@ -170,15 +179,26 @@ def _refuse_unsupported(options: ExportOptions) -> None:
 
 
 def _validate(steps: Steps, src: Any, out: Any, options: ExportOptions, refused: Exception | None,
-              config: Any, tokenizer: Any) -> _ConvertJob:
+              config: Any, tokenizer: Any, reads: ReadStats) -> _ConvertJob:
     """Step 1 (module docstring): rank-local checks and plan, agreed; then coverage, agreed."""
+    local: dict[str, Any] = {}
+    try:
+        return _validated(steps, src, out, options, refused, config, tokenizer, reads, local)
+    except BaseException:
+        if local.get("reader") is not None:  # a refusal here or on a peer: stop reading ahead
+            local["reader"].close()
+        raise
+
+
+def _validated(steps: Steps, src: Any, out: Any, options: ExportOptions, refused: Exception | None,
+               config: Any, tokenizer: Any, reads: ReadStats, local: dict[str, Any]) -> _ConvertJob:
     coordinator = steps.coordinator
     with steps.timed("validate"):
         with steps.agreed("validate", PLAN_WORDS) as shared:
             if refused is not None:
                 raise refused
             _refuse_unsupported(options)
-            local = _lay_out(src, out, options, config, tokenizer, coordinator)
+            _lay_out(src, out, options, config, tokenizer, coordinator, reads, local)
             shared.sums = _plan_words(local["plan"], coordinator.rank)
         plan = local["plan"]
         coordinator.require_same("conversion plans", plan.digest(), key="plan", summed=shared.totals[:-1],
@@ -191,12 +211,16 @@ def _validate(steps: Steps, src: Any, out: Any, options: ExportOptions, refused:
         writer = writer_for(options, coordinator)
         plan = plan.stamped(export_id)
     return _ConvertJob(coordinator, options, local["target"].for_job(export_id), plan, local["index"], local["table"],
-                       local["config"], tokenizer, local["units"], local["fp8"], writer, writer.file_owners(plan))
+                       local["config"], tokenizer, local["units"], local["fp8"], writer, writer.file_owners(plan),
+                       local["reader"])
 
 
-def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer: Any,
-             coordinator: Coordinator) -> dict[str, Any]:
-    """What each rank works out alone: the index, table, checks, plan and its share of the reading."""
+def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer: Any, coordinator: Coordinator,
+            reads: ReadStats, local: dict[str, Any]) -> None:
+    """What each rank works out alone, into ``local``: the index, table, checks, plan and its share
+    of the reading. Unquantized, this rank's reads start before the checks that build transformers'
+    model (the longest of them): they read ahead, bounded (``ChunkReader``), and nothing is
+    written until every rank has validated."""
     target = ExportTarget.at(out)
     target.check(options.overwrite)
     index = read_index(src)
@@ -206,16 +230,18 @@ def _lay_out(src: Any, out: Any, options: ExportOptions, config: Any, tokenizer:
                          actual=os.fspath(tokenizer))
     table = table_for(index, hf_config)
     metadata = table.hf_metadata(index)
-    check_shapes(metadata, hf_config)
     chunks = model_chunks(index, table.skipped)
     check_files(index, chunks)
-    plan = conversion_plan(metadata, hf_config, options)
-    fp8 = None
+    world = max(coordinator.world_size, 1)
+    local.update(target=target, config=hf_config, index=index, table=table, fp8=None, reader=None)
+    if options.quantize is None:
+        local["units"] = assign_units([[c] for c in chunks], world)[coordinator.rank]
+        local["reader"] = ChunkReader(index, [c for unit in local["units"] for c in unit], reads)
+    check_shapes(metadata, hf_config)
+    local["plan"] = conversion_plan(metadata, hf_config, options)
     if options.quantize is not None:  # the export's FP8 plan; boxes feeding one block in one unit (fp8.py)
-        plan, fp8 = fp8_layout(plan, options, hf_config)
-    units = units_of(chunks, table, index, fp8) if fp8 else [[c] for c in chunks]
-    units = assign_units(units, max(coordinator.world_size, 1))[coordinator.rank]
-    return dict(target=target, config=hf_config, index=index, table=table, plan=plan, units=units, fp8=fp8)
+        local["plan"], local["fp8"] = fp8_layout(local["plan"], options, hf_config)
+        local["units"] = assign_units(units_of(chunks, table, index, local["fp8"]), world)[coordinator.rank]
 
 
 def conversion_plan(metadata: dict[str, Any], hf_config: Any, options: ExportOptions) -> ExportPlan:
@@ -237,7 +263,7 @@ def _stream(job: _ConvertJob, reads: ReadStats, progress_s: float | None) -> Wri
         if job.fp8 is not None:  # quantized once a unit is whole (fp8.py)
             write_units(job.index, job.table, job.units, job.fp8, reads, writer.write, line.update)
         else:
-            for chunk, tensor in read_chunks(job.index, job.work, reads):
+            for chunk, tensor in job.reader:
                 writer.write(job.table.pieces(chunk.key, chunk.offsets, tensor))
                 line.update(chunk.length)
     except BaseException:

@@ -12,11 +12,13 @@ missing or short data file before anything is written.
 
 from __future__ import annotations
 
+import collections
 import io
 import os
 import pickle
 import struct
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,9 +30,10 @@ from torch.serialization import _maybe_decode_ascii
 from nemo_moe_export.convert.index import CheckpointIndex, StoredChunk
 from nemo_moe_export.errors import InputError
 
-__all__ = ["READ_BYTES", "ReadStats", "check_files", "read_chunks"]
+__all__ = ["READ_AHEAD_BYTES", "READ_BYTES", "ChunkReader", "ReadStats", "check_files", "read_chunks"]
 
 READ_BYTES = 64 << 20  # the most one pread asks for (adjacent items merged up to it)
+READ_AHEAD_BYTES = 256 << 20  # runs read ahead of the consumer, at most (ChunkReader)
 
 
 @dataclass
@@ -186,29 +189,119 @@ def _decode(chunk: StoredChunk, data: memoryview, dtype: torch.dtype) -> torch.T
     return tensor
 
 
-def read_chunks(index: CheckpointIndex, chunks: Iterable[StoredChunk], stats: ReadStats, *,
-                read_bytes: int = READ_BYTES) -> Iterator[tuple[StoredChunk, torch.Tensor]]:
-    """Each of ``chunks`` with its data, file by file in offset order; every byte read once."""
+def _planned_reads(chunks: Iterable[StoredChunk], read_bytes: int) -> list[tuple[str, list[StoredChunk]]]:
+    """The preads that read ``chunks``: file by file (name order), each a run in offset order."""
     by_file: dict[str, list[StoredChunk]] = {}
     for chunk in chunks:
         by_file.setdefault(chunk.file, []).append(chunk)
-    for name in sorted(by_file):
-        fd = os.open(os.path.join(index.directory, name), os.O_RDONLY)
+    return [(name, run) for name in sorted(by_file)
+            for run in _runs(sorted(by_file[name], key=lambda c: c.byte_offset), read_bytes)]
+
+
+_END = object()  # the read-ahead thread's last queue entry
+
+
+class ChunkReader:
+    """Each of ``chunks`` with its data, file by file in offset order; every byte read once.
+
+    One thread issues the preads ahead of the consumer, up to ``ahead_bytes`` of runs waiting
+    (always at least one): ``pread`` releases the GIL, so the disk works while the consumer
+    decodes, casts and writes the run before, and while the conversion's own checks still run
+    (``engine.py`` starts the reader before them; nothing is written until they agree). Memory is
+    bounded by ``ahead_bytes`` plus the run being consumed. ``close`` stops the thread (an
+    abandoned conversion), and a read error reaches the consumer at the run that failed.
+    """
+
+    def __init__(self, index: CheckpointIndex, chunks: Iterable[StoredChunk], stats: ReadStats, *,
+                 read_bytes: int = READ_BYTES, ahead_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.index, self.stats = index, stats
+        self._reads = _planned_reads(chunks, read_bytes)
+        self._ahead_bytes = ahead_bytes
+        self._queue: collections.deque = collections.deque()
+        self._queued_bytes = 0
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._read_all, name="nme-convert-reader", daemon=True)
+        self._thread.start()
+
+    def _read_all(self) -> None:
+        fd, open_name = None, None
         try:
-            for run in _runs(sorted(by_file[name], key=lambda c: c.byte_offset), read_bytes):
+            for name, run in self._reads:
+                first, length = run[0].byte_offset, run[-1].byte_offset + run[-1].length - run[0].byte_offset
+                with self._cond:  # wait for room: at most ahead_bytes queued, and one run whatever its size
+                    while not self._stopped and self._queue and self._queued_bytes + length > self._ahead_bytes:
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                if name != open_name:
+                    if fd is not None:
+                        os.close(fd)
+                    fd, open_name = os.open(os.path.join(self.index.directory, name), os.O_RDONLY), name
                 started = time.perf_counter()
-                first = run[0].byte_offset
-                length = run[-1].byte_offset + run[-1].length - first
-                data = memoryview(_pread(fd, length, first, name))
-                stats.bytes_read += length
-                stats.reads += 1
-                for chunk in run:
-                    start = chunk.byte_offset - first
-                    tensor = _decode(chunk, data[start:start + chunk.length], index.tensors[chunk.key].dtype)
-                    stats.items += 1
-                    stats.seconds += time.perf_counter() - started
-                    yield chunk, tensor
-                    started = time.perf_counter()
-                del data
+                data = _pread(fd, length, first, name)
+                self._put((run, data, time.perf_counter() - started), length)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            self._put(exc, 0)
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
+        self._put(_END, 0)
+
+    def _put(self, entry, length: int) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            self._queue.append((entry, length))
+            self._queued_bytes += length
+            self._cond.notify_all()
+
+    def _take(self):
+        with self._cond:
+            while not self._queue:
+                if self._stopped:
+                    raise RuntimeError("the checkpoint reader was closed before its last run was read")
+                self._cond.wait()
+            entry, length = self._queue.popleft()
+            self._queued_bytes -= length
+            self._cond.notify_all()
+        return entry
+
+    def __iter__(self) -> Iterator[tuple[StoredChunk, torch.Tensor]]:
+        try:
+            while (entry := self._take()) is not _END:
+                if isinstance(entry, BaseException):
+                    raise entry
+                run, buffer, pread_seconds = entry
+                self._count(run, pread_seconds)
+                data, first = memoryview(buffer), run[0].byte_offset
+                for chunk in run:
+                    started = time.perf_counter()
+                    start = chunk.byte_offset - first
+                    tensor = _decode(chunk, data[start:start + chunk.length], self.index.tensors[chunk.key].dtype)
+                    self.stats.items += 1
+                    self.stats.seconds += time.perf_counter() - started
+                    yield chunk, tensor
+                del data, buffer
+        finally:
+            self.close()
+
+    def _count(self, run: list[StoredChunk], pread_seconds: float) -> None:
+        self.stats.bytes_read += run[-1].byte_offset + run[-1].length - run[0].byte_offset
+        self.stats.reads += 1
+        self.stats.seconds += pread_seconds
+
+    def close(self) -> None:
+        """Stop reading ahead and drop what was read but not consumed."""
+        with self._cond:
+            self._stopped = True
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._cond.notify_all()
+
+
+def read_chunks(index: CheckpointIndex, chunks: Iterable[StoredChunk], stats: ReadStats, *,
+                read_bytes: int = READ_BYTES) -> Iterator[tuple[StoredChunk, torch.Tensor]]:
+    """Each of ``chunks`` with its data, file by file in offset order; every byte read once
+    (a :class:`ChunkReader` started now)."""
+    return iter(ChunkReader(index, chunks, stats, read_bytes=read_bytes))
