@@ -426,7 +426,7 @@ def test_plan_convert_predicts_the_conversions_tensors_files_and_bytes(family, m
     ranks (bf16): the same tensors (DeepSeek-V3's MTP layer included), files and bytes written; the
     bytes read within what megatron stores differently (the padded vocabulary, the MTP head stored
     once as the output layer), and one share per rank within a box of the mean."""
-    from nemo_moe_export.planner.convert import plan_conversion
+    from nemo_moe_export.planner.convert import ConversionModel, plan_conversion
 
     out, results = converted
     layout, path = "pp2_ep2", os.path.join(out, f"pp2_ep2-{family}-3")
@@ -443,6 +443,13 @@ def test_plan_convert_predicts_the_conversions_tensors_files_and_bytes(family, m
     assert abs(report["bytes_read"] - stored_bytes) <= 0.2 * stored_bytes, (report["bytes_read"], stored_bytes)
     largest = max(math.prod(t.shape) for t in written.values()) * source_dtype.itemsize
     assert report["max_rank_bytes_read"] <= report["bytes_read"] / 3 + largest
+    # the time: one node's I/O (reads, then writes), overlapped with its slowest rank's decoding
+    config = AutoConfig.from_pretrained(export_dir(megatron_root, layout, family))
+    for decode in (1e3, 1e12):
+        model = ConversionModel(read_bandwidth=1e6, write_bandwidth=2e6, decode_bandwidth=decode, ranks_per_node=3)
+        timed = plan_conversion(config, 3, model, source_dtype=source_dtype, dtype="bfloat16")
+        io = timed["bytes_read"] / 1e6 + timed["bytes_written"] / 2e6
+        assert timed["predicted_seconds"] == pytest.approx(max(io, timed["max_rank_bytes_read"] / decode), abs=1e-3)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,12 +12,14 @@ checkpoint of ``hf_config``'s model holds (docs/design.md#checkpoint-conversion)
 * **Who reads it.** ``convert/assign.assign_work``, the conversion's own assignment by source bytes.
 * **What is written.** ``convert/engine.conversion_plan`` of the same keys in the export ``dtype``
   (the conversion's own plan: what transformers keeps float32 stays float32).
-* **Time.** Ranks sit on nodes in order (``rank // ranks_per_node``). A rank reads its boxes, then
-  writes their pieces, run by run, so a node's time is its ranks' bytes read at ``read_bandwidth``
-  plus their bytes written at ``write_bandwidth`` (each a node's total, however many of its ranks
-  use it at once), and each rank decodes and casts its bytes at ``decode_bandwidth`` (per rank, on
-  its own core). The conversion lasts as long as its slowest node. The bandwidths are assumptions
-  to state for your cluster; ``benchmarks/convert_bench.py`` measures them on a machine.
+* **Time.** Ranks sit on nodes in order (``rank // ranks_per_node``). A node's I/O is its ranks'
+  bytes read at ``read_bandwidth`` plus their bytes written at ``write_bandwidth``, one after the
+  other (each a node's total, however many of its ranks use it at once: one device serves both).
+  Each rank decodes and casts its bytes at ``decode_bandwidth`` (per rank, on its own core) while
+  its reader thread reads ahead and its writer threads write (``convert/reader.ChunkReader``), so a
+  node takes the longer of its I/O and its slowest rank's decoding. The conversion lasts as long as
+  its slowest node. The bandwidths are assumptions to state for your cluster;
+  ``benchmarks/convert_bench.py`` measures them on a machine.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def plan_conversion(hf_config: Any, world: int, model: ConversionModel | None = 
         ranks = range(node * model.ranks_per_node, min(world, (node + 1) * model.ranks_per_node))
         io = (sum(read[r] for r in ranks) / model.read_bandwidth + sum(written[r] for r in ranks)
               / model.write_bandwidth)
-        node_seconds.append(io + max(read[r] for r in ranks) / model.decode_bandwidth)
+        node_seconds.append(max(io, max(read[r] for r in ranks) / model.decode_bandwidth))
     return dict(model_type=getattr(hf_config, "model_type", None), world=world, nodes=nodes,
                 tensors=len(metadata), files=len(plan.files), bytes_read=sum(read),
                 bytes_written=plan.total_tensor_bytes, max_rank_bytes_read=max(read),
