@@ -65,7 +65,8 @@ from nemo_moe_export.job.checks import STRATEGIES
 from nemo_moe_export.job.compose import (find_recipe, hydra_overrides, hydra_search_path, load_config,
                                          split_recipe_args, user_config_dirs)
 from nemo_moe_export.job.stages import check_recipe, run_recipe
-from nemo_moe_export.job.torchrun import check_local_resources, run_torchrun, stop_on_signals, stopped_by
+from nemo_moe_export.job.torchrun import (check_local_resources, leave_after_rank0, run_torchrun, stop_on_signals,
+                                         stopped_by)
 from nemo_moe_export.planner import TimeModel, format_table, plan_job
 from nemo_moe_export.planner.convert import ConversionModel, format_conversion, plan_conversion
 from nemo_moe_export.planner.model import from_config_file, from_preset, from_recipe
@@ -379,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         if _is_rank0():  # every rank checks the same config: one of them says so
             _say(f"error: {_one_line(exc)}")
             _say(f"(pass --debug or set {DEBUG_ENV}=1 for the traceback)")
+        leave_after_rank0()
         return USAGE_ERROR
 
 

@@ -15,7 +15,7 @@ import sys
 from nemo_moe_export.convert.engine import PROGRESS_S, convert_checkpoint
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.export.options import OVERWRITE_POLICIES, QUANTIZE_METHODS, ExportOptions
-from nemo_moe_export.job.torchrun import run_torchrun
+from nemo_moe_export.job.torchrun import leave_after_rank0, run_torchrun
 from nemo_moe_export.parallel import PeerError, init_distributed
 from nemo_moe_export.watchdog import finished, report_job_failure, watch_job
 
@@ -83,6 +83,7 @@ def _convert_here(args: argparse.Namespace) -> int:
             raise
         if rank0:
             print(f"nemo-moe-export: error: {refused}", file=sys.stderr, flush=True)
+        leave_after_rank0()
         return 1
     finished()  # rank 0 ending first must not read as a failure to this rank's watchdog
     if rank0:

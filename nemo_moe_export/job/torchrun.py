@@ -29,12 +29,13 @@ import torch
 
 from nemo_moe_export.errors import InputError, Stopped
 
-__all__ = ["STOP_CLEANUP_S", "STOP_GRACE_S", "STOP_SIGNALS", "check_local_resources", "run_torchrun",
-           "stop_on_signals", "stopped_by"]
+__all__ = ["RANK0_SPEAKS_S", "STOP_CLEANUP_S", "STOP_GRACE_S", "STOP_SIGNALS", "check_local_resources",
+           "leave_after_rank0", "run_torchrun", "stop_on_signals", "stopped_by"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 STOP_GRACE_S = 45.0  # torchrun's own grace for its ranks is 30 s; this is the launcher's, on top
 STOP_CLEANUP_S = 10.0  # how long a stopped rank may take to unwind (clean up) before it just exits
+RANK0_SPEAKS_S = 5.0  # how long a rank other than 0 that refused its input waits before it exits
 _stopped_by: int | None = None  # the stop signal this rank received, if any
 # torchrun itself (``torch.distributed.run``), minus the traceback it prints when a signal stops it:
 # that stop is the user's, and the launcher reports it in one line. Inline, so torchrun starts
@@ -172,6 +173,14 @@ def _descendants(root: int) -> list[tuple[int, str]]:
 
 
 # --- each rank -----------------------------------------------------------------------------------------
+
+
+def leave_after_rank0() -> None:
+    """On a rank other than 0 that refuses an input every rank refuses (rank 0 says why), wait
+    :data:`RANK0_SPEAKS_S` before exiting: torchrun's agent ends every rank as soon as one fails,
+    and rank 0, which may have started a second later, was once ended before it printed its line."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(RANK0_SPEAKS_S)
 
 
 def stopped_by() -> int | None:
