@@ -433,8 +433,8 @@ def test_plan_convert_predicts_the_conversions_tensors_files_and_bytes(family, m
     index, table = _table(megatron_root, layout, family)
     stored = {k: t for k, t in index.tensors.items() if not table.skipped(k)}
     source_dtype = next(iter(stored.values())).dtype
-    report = plan_conversion(AutoConfig.from_pretrained(export_dir(megatron_root, layout, family)), 3,
-                             source_dtype=source_dtype, dtype="bfloat16")
+    config = AutoConfig.from_pretrained(export_dir(megatron_root, layout, family))
+    report = plan_conversion(config, 3, source_dtype=source_dtype, dtype="bfloat16")
     written = _tensors(path)
     assert report["tensors"] == len(written)
     assert report["files"] == len(glob.glob(os.path.join(path, "*.safetensors")))
@@ -444,7 +444,6 @@ def test_plan_convert_predicts_the_conversions_tensors_files_and_bytes(family, m
     largest = max(math.prod(t.shape) for t in written.values()) * source_dtype.itemsize
     assert report["max_rank_bytes_read"] <= report["bytes_read"] / 3 + largest
     # the time: one node's I/O (reads, then writes), overlapped with its slowest rank's decoding
-    config = AutoConfig.from_pretrained(export_dir(megatron_root, layout, family))
     for decode in (1e3, 1e12):
         model = ConversionModel(read_bandwidth=1e6, write_bandwidth=2e6, decode_bandwidth=decode, ranks_per_node=3)
         timed = plan_conversion(config, 3, model, source_dtype=source_dtype, dtype="bfloat16")

@@ -25,8 +25,7 @@ import torch
 
 from nemo_moe_export.adapters import InMemoryFormat
 from nemo_moe_export.adapters.tables_megatron import NAMING
-from nemo_moe_export.convert.bridge_config import ASK_FOR_CONFIG as _ASK
-from nemo_moe_export.convert.bridge_config import bridge_model, read_run_config
+from nemo_moe_export.convert.bridge_config import ASK_FOR_CONFIG, bridge_model, read_run_config
 from nemo_moe_export.errors import InputError
 from nemo_moe_export.megatron.hf_config import hf_config_for, stock_config_class
 
@@ -50,7 +49,7 @@ def read_common(directory: str | os.PathLike[str]) -> dict[str, Any]:
     path = os.path.join(os.fspath(directory), COMMON_FILE)
     if not os.path.isfile(path):
         raise InputError("the megatron checkpoint has no common.pt to derive the HF config from", key=path,
-                         expected="megatron dist_checkpointing's common.pt", actual="missing", hint=_ASK)
+                         expected="megatron dist_checkpointing's common.pt", actual="missing", hint=ASK_FOR_CONFIG)
     try:
         unknown = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         stand_ins = [(type(name, (_Inert,), {}), name) for name in unknown if name != "argparse.Namespace"]
@@ -58,10 +57,10 @@ def read_common(directory: str | os.PathLike[str]) -> dict[str, Any]:
             common = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # any unreadable file is the same refusal, naming torch's reason
         raise InputError("megatron's common.pt cannot be read", key=path, expected="a torch.save archive",
-                         actual=_reason(exc), hint=_ASK) from None
+                         actual=_reason(exc), hint=ASK_FOR_CONFIG) from None
     if not isinstance(common, dict):
         raise InputError("megatron's common.pt is not a dict", key=path, expected="a dict",
-                         actual=type(common).__name__, hint=_ASK)
+                         actual=type(common).__name__, hint=ASK_FOR_CONFIG)
     return common
 
 
@@ -85,7 +84,7 @@ def config_from_checkpoint(index: Any) -> Any:
     if not isinstance(args, argparse.Namespace):
         raise InputError("megatron's common.pt holds no training arguments", key="common.pt:args",
                          expected="Megatron-LM's args (an argparse.Namespace)",
-                         actual=type(args).__name__ if args is not None else "none", hint=_ASK)
+                         actual=type(args).__name__ if args is not None else "none", hint=ASK_FOR_CONFIG)
     fields = vars(args)
     family = "deepseek_v3" if fields.get("multi_latent_attention") else "qwen3_moe"
     return _hf_config(_model_of(fields, index), family, index, _vocab_size(fields))
@@ -100,7 +99,7 @@ def _hf_config(model: SimpleNamespace, family: str, index: Any, vocab_size: int)
 def _need(fields: dict[str, Any], name: str) -> Any:
     if fields.get(name) is None:
         raise InputError("megatron's args lack a field the HF config needs", key=f"args.{name}",
-                         expected="set", actual="missing", hint=_ASK)
+                         expected="set", actual="missing", hint=ASK_FOR_CONFIG)
     return fields[name]
 
 
